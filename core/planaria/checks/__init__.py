@@ -1,0 +1,1 @@
+"""Built-in health checks and the runner that isolates them."""

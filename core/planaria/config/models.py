@@ -1,0 +1,252 @@
+"""The configuration file's schema: one pydantic model per section.
+
+Every model forbids unknown keys, so a typo is an error rather than a silently ignored setting.
+Backend sections (``{backend: NAME, options: {...}}``) keep ``options`` as a plain mapping here;
+the selected plugin's own ``Options`` model validates it once the name is resolved
+(:mod:`planaria.config.resolve`).
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from planaria.config.durations import Duration
+from planaria.errors import PluginError
+from planaria.plugin.records import PluginKind
+
+
+class Section(BaseModel):
+    # Defaults are not re-validated: a default backend is resolved only if installed
+    # (planaria.config.resolve), so that a file may leave out what its command never uses.
+    model_config = ConfigDict(extra="forbid")
+
+
+class BackendSection(Section):
+    """``{backend: NAME, options: {...}}``: a plugin chosen by name, and its options.
+
+    Validated with a plugin manager in the validation context (``context={"plugins": pm}``),
+    ``backend`` must name an installed plugin of the section's kind and ``options`` becomes an
+    instance of that plugin's ``Options`` model, so that every problem of the file, plugin
+    options included, is reported in one pass. Without a manager ``options`` stays a mapping.
+    """
+
+    kind: ClassVar[PluginKind]
+
+    backend: str = Field(min_length=1)
+    options: Any = Field(default_factory=dict, description="the selected plugin's options")
+
+    @field_validator("backend")
+    @classmethod
+    def _installed(cls, value: str, info: ValidationInfo) -> str:
+        manager = (info.context or {}).get("plugins")
+        if manager is not None:
+            try:
+                manager.resolve(cls.kind, value)
+            except PluginError as exc:
+                raise ValueError(str(exc)) from None
+        return value
+
+    @field_validator("options")
+    @classmethod
+    def _validate_options(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, BaseModel):
+            return value
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a mapping of options, got {type(value).__name__}")
+        manager = (info.context or {}).get("plugins")
+        if manager is None or "backend" not in info.data:
+            return value  # no manager, or the backend is already reported as unknown
+        return manager.resolve(cls.kind, info.data["backend"]).options.model_validate(value)
+
+    @property
+    def resolved(self) -> bool:
+        return isinstance(self.options, BaseModel)
+
+
+class NodeRange(BaseModel):
+    """``nodes: 2`` (fixed) or ``nodes: "2:4"`` (elastic, min:max)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    min: int = Field(ge=1)
+    max: int = Field(ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _parse(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError('expected a node count such as 2, or a range "min:max" such as "2:4"')
+        if isinstance(value, int):
+            return {"min": value, "max": value}
+        if isinstance(value, str):
+            parts = value.split(":")
+            if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
+                raise ValueError(
+                    f"invalid node count {value!r}: expected a number such as 2, or a range "
+                    '"min:max" such as "2:4"'
+                )
+            low, high = int(parts[0]), int(parts[-1])
+            return {"min": low, "max": high}
+        return value
+
+    @model_validator(mode="after")
+    def _ordered(self) -> NodeRange:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) is greater than max ({self.max})")
+        return self
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: Any, handler: Any) -> dict[str, Any]:
+        return {
+            "anyOf": [
+                {"type": "integer", "minimum": 1},
+                {"type": "string", "pattern": r"^\s*\d+\s*(:\s*\d+\s*)?$"},
+            ],
+            "description": 'number of nodes, or "min:max" for an elastic job',
+        }
+
+    @model_serializer
+    def _as_text(self) -> str:
+        return str(self)
+
+    def __str__(self) -> str:
+        return str(self.min) if self.min == self.max else f"{self.min}:{self.max}"
+
+
+class JobSection(Section):
+    name: str = Field(default="planaria-job", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+    command: list[str] = Field(
+        default_factory=list,
+        description="the training command, as a list or a string split like a shell would "
+        "(never run through a shell)",
+    )
+    nodes: NodeRange = Field(default_factory=lambda: NodeRange(min=1, max=1))
+    procs_per_node: int = Field(default=1, ge=1)
+    max_restarts: int = Field(default=3, ge=0)
+    node_unit: int = Field(default=1, ge=1)
+    workdir: Path = Path(".")
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                return shlex.split(value)
+            except ValueError as exc:
+                raise ValueError(f"cannot split command {value!r}: {exc}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _unit_fits(self) -> JobSection:
+        if self.node_unit > self.nodes.max:
+            raise ValueError(
+                f"node_unit ({self.node_unit}) is larger than the most nodes the job can have "
+                f"({self.nodes.max})"
+            )
+        return self
+
+
+class SchedulerSection(BackendSection):
+    kind: ClassVar[PluginKind] = PluginKind.SCHEDULER
+    backend: str = Field(default="local", min_length=1)
+
+
+class RendezvousSection(BackendSection):
+    kind: ClassVar[PluginKind] = PluginKind.RENDEZVOUS_BACKEND
+    backend: str = Field(default="master", min_length=1)
+    join_timeout: Duration = Field(default=300.0, description="how long a round may wait")
+    join_grace: Duration = Field(
+        default=10.0, description="once min nodes joined, close when nobody came for this long"
+    )
+
+
+class CheckSection(BackendSection):
+    """One configured health check; ``- host`` is short for ``- {backend: host}``."""
+
+    kind: ClassVar[PluginKind] = PluginKind.HEALTH_CHECK
+
+    name: str | None = Field(default=None, description="label; defaults to the backend name")
+    timeout: Duration = Field(default=60.0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        return {"backend": value} if isinstance(value, str) else value
+
+    @property
+    def label(self) -> str:
+        return self.name or self.backend
+
+
+class DiagnosisSection(Section):
+    checks: list[CheckSection] = Field(default_factory=lambda: [CheckSection(backend="host")])
+    preflight: bool = False
+    hang_timeout: Duration = 300.0
+    straggler_factor: float = Field(default=2.0, gt=1.0)
+
+    @model_validator(mode="after")
+    def _distinct_names(self) -> DiagnosisSection:
+        first: dict[str, int] = {}
+        for index, check in enumerate(self.checks):
+            if check.label in first:
+                raise ValueError(
+                    f"checks[{first[check.label]}] and checks[{index}] are both named "
+                    f"{check.label!r}; give each a distinct name"
+                )
+            first[check.label] = index
+        return self
+
+
+class StorageSection(BackendSection):
+    kind: ClassVar[PluginKind] = PluginKind.CHECKPOINT_STORAGE
+    backend: str = Field(default="local", min_length=1)
+
+
+class CheckpointSection(Section):
+    storage: StorageSection = Field(default_factory=StorageSection)
+    keep_last: int = Field(default=3, ge=1)
+    persist_every: int = Field(default=100, ge=1, description="persist every N steps")
+    persist_on_fault: bool = True
+
+
+class PluginsSection(Section):
+    disable: list[str] = Field(
+        default_factory=list, description="plugins not to load, by plugin or distribution name"
+    )
+
+
+class LoggingSection(Section):
+    format: Literal["console", "json"] = "console"
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+
+class Config(Section):
+    """The whole file. Every section is optional; defaults make a one-node job."""
+
+    job: JobSection = Field(default_factory=JobSection)
+    scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
+    rendezvous: RendezvousSection = Field(default_factory=RendezvousSection)
+    diagnosis: DiagnosisSection = Field(default_factory=DiagnosisSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    plugins: PluginsSection = Field(default_factory=PluginsSection)
+    logging: LoggingSection = Field(default_factory=LoggingSection)

@@ -1,0 +1,152 @@
+"""Binds a validated config to its plugins: the health checks to run, the backends to build.
+
+Sections the file spelled out were resolved during validation (:func:`.loader.validate`).
+Sections left at their defaults are resolved here: a default health check must be installed,
+a default scheduler, rendezvous or storage only matters to a command that uses it, so one that
+is not installed is left out rather than reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from planaria.checks.runner import ConfiguredCheck
+from planaria.config.errors import format_path, issues_from_validation
+from planaria.config.loader import RawConfig, disabled_plugins, read, validate
+from planaria.config.models import BackendSection, Config
+from planaria.errors import ConfigError, ConfigIssue, PluginError
+from planaria.plugin.manager import PluginManager
+from planaria.plugin.records import HealthCheckRecord, PluginRecord, normalize_name
+
+# Backend sections outside diagnosis.checks, by where they sit.
+BACKEND_PATHS: tuple[tuple[str, ...], ...] = (
+    ("scheduler",),
+    ("rendezvous",),
+    ("checkpoint", "storage"),
+)
+
+
+@dataclass(frozen=True)
+class ResolvedBackend:
+    """A backend section bound to its plugin record and validated options."""
+
+    path: str
+    record: PluginRecord
+    options: BaseModel
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    config: Config
+    checks: list[ConfiguredCheck]
+    backends: dict[str, ResolvedBackend]
+    """By dotted section path (``scheduler``, ``checkpoint.storage``); a section left at its
+    default whose plugin is not installed is absent."""
+    source: str | None = None
+
+    def dump(self) -> dict[str, Any]:
+        """The whole configuration with every default filled in, options included.
+
+        A default backend whose plugin is not installed is left out, so the dump reads back
+        as the same configuration.
+        """
+        data: dict[str, Any] = self.config.model_dump(mode="json")
+        for index, check in enumerate(self.checks):
+            data["diagnosis"]["checks"][index]["options"] = check.options.model_dump(mode="json")
+        for parts in BACKEND_PATHS:
+            node = data
+            for part in parts:
+                node = node[part]
+            backend = self.backends.get(".".join(parts))
+            if backend is None:
+                del node["backend"], node["options"]
+            else:
+                node["options"] = backend.options.model_dump(mode="json")
+        if not data["checkpoint"]["storage"]:
+            del data["checkpoint"]["storage"]
+        return data
+
+
+def _bind(
+    section: BackendSection, manager: PluginManager, path: tuple[str | int, ...]
+) -> tuple[PluginRecord, BaseModel]:
+    """The record and options of a section, resolving it now if validation did not."""
+    record = manager.resolve(section.kind, section.backend)
+    if section.resolved:
+        return record, section.options
+    try:
+        return record, record.options.model_validate(section.options)
+    except ValidationError as exc:
+        issues = issues_from_validation(exc, prefix=(*path, "options"), model=record.options)
+        raise ConfigError(issues) from None
+
+
+def resolve(config: Config, manager: PluginManager, source: str | None = None) -> ResolvedConfig:
+    issues: list[ConfigIssue] = []
+    checks: list[ConfiguredCheck] = []
+    for index, check in enumerate(config.diagnosis.checks):
+        path = ("diagnosis", "checks", index)
+        try:
+            record, options = _bind(check, manager, path)
+        except PluginError as exc:
+            issues.append(ConfigIssue(format_path((*path, "backend")), str(exc)))
+            continue
+        except ConfigError as exc:
+            issues += exc.issues
+            continue
+        assert isinstance(record, HealthCheckRecord)
+        checks.append(ConfiguredCheck(check.label, record, options, check.timeout))
+
+    backends: dict[str, ResolvedBackend] = {}
+    for parts in BACKEND_PATHS:
+        node: Any = config
+        for part in parts:
+            node = getattr(node, part)
+        section: BackendSection = node
+        dotted = ".".join(parts)
+        if not section.resolved and normalize_name(section.backend) not in manager.records(
+            section.kind
+        ):
+            continue
+        try:
+            record, options = _bind(section, manager, parts)
+        except PluginError as exc:
+            issues.append(ConfigIssue(f"{dotted}.backend", str(exc)))
+            continue
+        except ConfigError as exc:
+            issues += exc.issues
+            continue
+        backends[dotted] = ResolvedBackend(dotted, record, options)
+    if issues:
+        raise ConfigError(issues, source)
+    return ResolvedConfig(config, checks, backends, source)
+
+
+def load(
+    path: str | Path | None,
+    overrides: list[str] | None = None,
+    manager: PluginManager | None = None,
+) -> tuple[ResolvedConfig, PluginManager]:
+    """Read, override, validate and resolve a config file (the defaults when ``path`` is None).
+
+    Without ``manager``, plugins load from entry points, minus the file's ``plugins.disable``.
+    """
+    return load_raw(read(path, overrides), manager)
+
+
+def load_raw(
+    raw: RawConfig, manager: PluginManager | None = None
+) -> tuple[ResolvedConfig, PluginManager]:
+    """:func:`load` for a config already read (and overridden)."""
+    if manager is None:
+        manager = PluginManager.from_entry_points(disable=disabled_plugins(raw))
+    try:
+        manager.check_duplicates()
+    except PluginError as exc:
+        raise ConfigError([ConfigIssue("plugins", str(exc))], raw.source) from None
+    config = validate(raw, manager)
+    return resolve(config, manager, raw.source), manager

@@ -1,0 +1,68 @@
+"""JSON Schema of the whole config file, with every installed plugin's options.
+
+Editors (VS Code's YAML extension, JetBrains) complete and check a file against it: the
+``backend`` of each section lists the installed names, and ``options`` follows the chosen one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from planaria.config.models import (
+    CheckSection,
+    Config,
+    RendezvousSection,
+    SchedulerSection,
+    StorageSection,
+)
+from planaria.plugin.manager import PluginManager
+from planaria.plugin.records import PluginKind
+
+SECTION_KINDS: dict[type[BaseModel], PluginKind] = {
+    CheckSection: PluginKind.HEALTH_CHECK,
+    SchedulerSection: PluginKind.SCHEDULER,
+    RendezvousSection: PluginKind.RENDEZVOUS_BACKEND,
+    StorageSection: PluginKind.CHECKPOINT_STORAGE,
+}
+
+
+def config_schema(manager: PluginManager) -> dict[str, Any]:
+    per_kind = {kind: manager.records(kind) for kind in PluginKind}
+    options_models = {
+        (kind, name): record.options
+        for kind, recs in per_kind.items()
+        for name, record in recs.items()
+    }
+    models: list[type[BaseModel]] = [Config, *dict.fromkeys(options_models.values())]
+    refs, schema = models_json_schema(
+        [(m, "validation") for m in models], ref_template="#/$defs/{model}"
+    )
+    defs = schema["$defs"]
+    root = dict(defs.pop(Config.__name__))
+    for section, kind in SECTION_KINDS.items():
+        definition = defs.get(section.__name__)
+        if definition is None:
+            continue
+        names = sorted(per_kind[kind])
+        backend = definition["properties"]["backend"]
+        backend["description"] = f"installed: {', '.join(names) or '(none)'}"
+        if names:
+            backend["examples"] = names
+        if not names:
+            continue
+        definition["allOf"] = [
+            {
+                "if": {"properties": {"backend": {"const": name}}, "required": ["backend"]},
+                "then": {
+                    "properties": {"options": refs[(options_models[(kind, name)], "validation")]}
+                },
+            }
+            for name in names
+        ]
+    root["$defs"] = defs
+    root["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    root["title"] = "planaria job configuration"
+    return root

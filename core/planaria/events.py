@@ -1,0 +1,39 @@
+"""Job events: what observers (alerting, policy plugins) see through ``planaria_job_event``."""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EventKind(str, Enum):
+    JOB_STARTED = "job_started"
+    JOB_FINISHED = "job_finished"
+    HEALTH_CHECKED = "health_checked"
+    FAULT_DETECTED = "fault_detected"
+    WORKERS_RESTARTED = "workers_restarted"
+    NODE_REPLACED = "node_replaced"
+    NODE_EXCLUDED = "node_excluded"
+    RENDEZVOUS_COMPLETED = "rendezvous_completed"
+    STRAGGLER_DETECTED = "straggler_detected"
+    HANG_DETECTED = "hang_detected"
+    CHECKPOINT_COMMITTED = "checkpoint_committed"
+    JOB_STOPPED = "job_stopped"
+
+
+class JobEvent(BaseModel):
+    """One thing that happened to a job. Serialised as one JSON line in the event timeline."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: EventKind
+    job: str
+    time: float = Field(default_factory=time.time)
+    node: str | None = None
+    rank: int | None = None
+    step: int | None = None
+    message: str = ""
+    data: dict[str, Any] = Field(default_factory=dict)

@@ -1,0 +1,55 @@
+"""Structured logging, configured once per process.
+
+Every entry carries the ``component`` that wrote it and, where known, the ``job``, ``node``,
+``rank`` and ``step`` (bound with :func:`bind`). Output goes to stderr so that a command's
+stdout stays machine-readable (``planaria plugins --json``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Literal, TextIO
+
+import structlog
+
+Format = Literal["console", "json"]
+LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
+
+
+def configure(
+    format: Format = "console", level: str = "info", stream: TextIO | None = None
+) -> None:
+    """(Re)configure structlog for this process; later calls replace earlier ones."""
+    renderer: Any
+    if format == "json":
+        renderer = structlog.processors.JSONRenderer(sort_keys=True)
+    else:
+        renderer = structlog.dev.ConsoleRenderer(colors=(stream or sys.stderr).isatty())
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level.lower()]),
+        logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+def get_logger(component: str) -> Any:
+    """A logger whose every entry names ``component``."""
+    return structlog.get_logger(component=component)
+
+
+def bind(**context: Any) -> None:
+    """Attach ``job``/``node``/``rank``/``step`` (or anything) to every later entry."""
+    structlog.contextvars.bind_contextvars(**context)

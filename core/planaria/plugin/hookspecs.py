@@ -1,0 +1,94 @@
+"""The hook specifications: every way a plugin can extend planaria.
+
+A plugin is a module (or object) with functions marked ``@planaria.hookimpl`` whose names are
+hooks below, registered in the entry-point group ``planaria``::
+
+    [project.entry-points.planaria]
+    mychip = "planaria_mychip.plugin"
+
+Registration hooks (``planaria_<plural noun>``) return records; lifecycle hooks observe the job
+and return nothing. Each implementation is called in isolation: one that raises is reported and
+the others still run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from planaria.events import JobEvent
+from planaria.plugin import hookspec
+from planaria.plugin.records import (
+    CheckpointStorageRecord,
+    HealthCheckRecord,
+    RendezvousBackendRecord,
+    SchedulerRecord,
+)
+
+
+class PlanariaSpecs:
+    @hookspec
+    def planaria_health_checks(self) -> Iterable[HealthCheckRecord]:
+        """Register health checks, selected by name in ``diagnosis.checks``.
+
+        Example::
+
+            @planaria.hookimpl
+            def planaria_health_checks():
+                yield HealthCheckRecord(
+                    name="mychip", factory=MyChipCheck, options=MyChipOptions,
+                    summary="MyChip accelerators: presence, ECC, temperature",
+                )
+        """
+        raise NotImplementedError
+
+    @hookspec
+    def planaria_schedulers(self) -> Iterable[SchedulerRecord]:
+        """Register schedulers, selected by ``scheduler.backend``.
+
+        Example::
+
+            @planaria.hookimpl
+            def planaria_schedulers():
+                yield SchedulerRecord(name="mycluster", factory=MyClusterScheduler,
+                                      options=MyClusterOptions, summary="nodes on MyCluster")
+        """
+        raise NotImplementedError
+
+    @hookspec
+    def planaria_rendezvous_backends(self) -> Iterable[RendezvousBackendRecord]:
+        """Register rendezvous backends, selected by ``rendezvous.backend``.
+
+        Example::
+
+            @planaria.hookimpl
+            def planaria_rendezvous_backends():
+                yield RendezvousBackendRecord(name="etcd", factory=EtcdRendezvous,
+                                              options=EtcdOptions, summary="rendezvous on etcd")
+        """
+        raise NotImplementedError
+
+    @hookspec
+    def planaria_checkpoint_storages(self) -> Iterable[CheckpointStorageRecord]:
+        """Register checkpoint storage targets, selected by ``checkpoint.storage.backend``.
+
+        Example::
+
+            @planaria.hookimpl
+            def planaria_checkpoint_storages():
+                yield CheckpointStorageRecord(name="mystore", factory=MyStore,
+                                              options=MyStoreOptions, summary="objects on MyStore")
+        """
+        raise NotImplementedError
+
+    @hookspec
+    def planaria_job_event(self, event: JobEvent) -> None:
+        """Observe the job: faults, restarts, replacements, committed checkpoints.
+
+        Called once per event, in the master. Must return quickly (hand slow work such as a
+        network call to a thread); an exception is logged and never affects the job. Example::
+
+            @planaria.hookimpl
+            def planaria_job_event(event):
+                if event.kind == EventKind.NODE_REPLACED:
+                    pager.send(f"{event.job}: node {event.node} replaced: {event.message}")
+        """

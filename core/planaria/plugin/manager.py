@@ -1,0 +1,346 @@
+"""The plugin manager: loads entry points, collects records, resolves configured names.
+
+Every plugin, built-in or third-party, arrives through the entry-point group ``planaria``.
+A plugin that fails (import error, unknown hook, a hook that raises or returns garbage) is
+recorded as ``failed`` with the reason and skipped with a warning, so one broken vendor package
+never takes the others down; it becomes an error only when the configuration selects it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import traceback
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+
+import pluggy
+from pydantic import ValidationError
+
+from planaria.errors import (
+    DuplicatePluginError,
+    PluginLoadError,
+    PluginNotFoundError,
+)
+from planaria.events import JobEvent
+from planaria.log import get_logger
+from planaria.plugin import ENTRY_POINT_GROUP, PROJECT_NAME, hookspecs
+from planaria.plugin.records import (
+    RECORD_TYPES,
+    WELL_KNOWN,
+    PluginKind,
+    PluginRecord,
+    normalize_name,
+)
+
+log = get_logger("plugins")
+
+DISABLE_ENV = "PLANARIA_DISABLE_PLUGINS"
+
+
+class PluginStatus(str, Enum):
+    LOADED = "loaded"
+    BLOCKED = "blocked"
+    FAILED = "failed"
+
+
+@dataclass
+class PluginInfo:
+    """What ``planaria plugins`` shows for one plugin."""
+
+    name: str
+    value: str
+    distribution: str | None = None
+    version: str | None = None
+    status: PluginStatus = PluginStatus.LOADED
+    reason: str = ""
+    records: list[PluginRecord] = field(default_factory=list)
+
+    @property
+    def kinds(self) -> list[str]:
+        return sorted({r.kind.value for r in self.records})
+
+    @property
+    def provider(self) -> str:
+        if self.distribution is None:
+            return f"plugin {self.name!r}"
+        return f"{self.distribution} {self.version or ''}".strip()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kinds": self.kinds,
+            "distribution": self.distribution,
+            "version": self.version,
+            "status": self.status.value,
+            "reason": self.reason or None,
+            "records": [r.describe() for r in self.records],
+        }
+
+
+def disabled_from_env() -> list[str]:
+    return [n for n in os.environ.get(DISABLE_ENV, "").replace(",", " ").split() if n]
+
+
+def _one_line_exception(exc: BaseException) -> str:
+    """An exception as one line: reasons appear in tables, JSON and log entries."""
+    if isinstance(exc, ValidationError):
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or exc.title}: {e['msg']}"
+            for e in exc.errors(include_url=False)
+        )
+        return f"{exc.title} is invalid: {problems}"
+    text = "".join(traceback.format_exception_only(type(exc), exc))
+    return " ".join(text.split())
+
+
+class PluginManager:
+    """Owns the pluggy manager and everything known about each plugin.
+
+    ``PluginManager.from_entry_points(disable=[...])`` is the usual way in; tests and embedding
+    programs may also :meth:`register` plugin objects directly.
+    """
+
+    def __init__(self, disable: Iterable[str] = ()) -> None:
+        self._pm = pluggy.PluginManager(PROJECT_NAME)
+        self._pm.add_hookspecs(hookspecs.PlanariaSpecs)
+        self._disabled = {normalize_name(n) for n in disable}
+        self.plugins: dict[str, PluginInfo] = {}
+        self._records: dict[PluginKind, dict[str, tuple[PluginRecord, PluginInfo]]] | None = None
+        self._duplicates: list[str] = []
+
+    @classmethod
+    def from_entry_points(cls, disable: Iterable[str] = ()) -> PluginManager:
+        manager = cls([*disable, *disabled_from_env()])
+        manager.load_entry_points()
+        return manager
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def _is_disabled(self, name: str, distribution: str | None) -> bool:
+        names = {normalize_name(name)}
+        if distribution:
+            names.add(normalize_name(distribution))
+        return bool(names & self._disabled)
+
+    def load_entry_points(self) -> None:
+        for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+            self._load_entry_point(ep)
+
+    def _load_entry_point(self, ep: EntryPoint) -> None:
+        dist = ep.dist
+        info = PluginInfo(
+            name=self._unique_name(ep.name, dist.name if dist else None),
+            value=ep.value,
+            distribution=dist.name if dist else None,
+            version=dist.version if dist else None,
+        )
+        self.plugins[info.name] = info
+        if self._is_disabled(ep.name, info.distribution):
+            info.status = PluginStatus.BLOCKED
+            info.reason = f"disabled by plugins.disable or {DISABLE_ENV}"
+            return
+        try:
+            obj = ep.load()
+        except Exception as exc:
+            self._fail(info, f"import of {ep.value!r} failed: {_one_line_exception(exc)}")
+            return
+        self._register(obj, info)
+
+    def _unique_name(self, name: str, distribution: str | None) -> str:
+        if name not in self.plugins:
+            return name
+        return f"{name}@{distribution}"
+
+    def register(
+        self,
+        plugin: object,
+        name: str,
+        *,
+        distribution: str | None = None,
+        version: str | None = None,
+    ) -> PluginInfo:
+        """Register a plugin object (a module or an instance with ``@hookimpl`` methods)."""
+        info = PluginInfo(
+            name=self._unique_name(name, distribution),
+            value=repr(plugin),
+            distribution=distribution,
+            version=version,
+        )
+        self.plugins[info.name] = info
+        if self._is_disabled(name, distribution):
+            info.status = PluginStatus.BLOCKED
+            info.reason = f"disabled by plugins.disable or {DISABLE_ENV}"
+            return info
+        self._register(plugin, info)
+        return info
+
+    def _register(self, obj: object, info: PluginInfo) -> None:
+        self._records = None
+        try:
+            self._pm.register(obj, name=info.name)
+        except Exception as exc:  # pluggy's PluginValidationError, or a name clash
+            self._fail(info, _one_line_exception(exc))
+            return
+        unknown = [hc.name for hc in self._pm.get_hookcallers(obj) or [] if not hc.has_spec()]
+        if unknown:
+            self._pm.unregister(obj)
+            known = [n for n in dir(hookspecs.PlanariaSpecs) if n.startswith("planaria_")]
+            hints = []
+            for hook in unknown:
+                close = difflib.get_close_matches(hook, known, n=1)
+                hints.append(f"{hook!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            self._fail(info, f"unknown hook {', '.join(hints)}; known hooks: {', '.join(known)}")
+
+    def _fail(self, info: PluginInfo, reason: str) -> None:
+        info.status = PluginStatus.FAILED
+        info.reason = reason
+        info.records = []
+        obj = self._pm.get_plugin(info.name)
+        if obj is not None:
+            self._pm.unregister(obj)
+        log.warning(
+            "plugin failed to load and is skipped",
+            plugin=info.name,
+            distribution=info.distribution,
+            reason=reason,
+        )
+
+    # -- records ---------------------------------------------------------------------------
+
+    def _collect(self) -> dict[PluginKind, dict[str, tuple[PluginRecord, PluginInfo]]]:
+        if self._records is not None:
+            return self._records
+        per_plugin: dict[str, list[PluginRecord]] = {}
+        for kind in PluginKind:
+            caller = getattr(self._pm.hook, kind.hook)
+            for impl in caller.get_hookimpls():
+                info = self.plugins[impl.plugin_name]
+                if info.status is not PluginStatus.LOADED:
+                    continue
+                try:
+                    records = self._call_registration(impl.function, kind)
+                except Exception as exc:
+                    self._fail(info, f"{kind.hook}() failed: {_one_line_exception(exc)}")
+                    per_plugin.pop(info.name, None)
+                    continue
+                per_plugin.setdefault(info.name, []).extend(records)
+
+        collected: dict[PluginKind, dict[str, tuple[PluginRecord, PluginInfo]]] = {
+            k: {} for k in PluginKind
+        }
+        duplicates: list[str] = []
+        for plugin_name, records in per_plugin.items():
+            info = self.plugins[plugin_name]
+            if info.status is not PluginStatus.LOADED:
+                continue
+            info.records = records
+            for record in records:
+                seen = collected[record.kind].get(record.name)
+                if seen is not None:
+                    duplicates.append(
+                        f"{record.kind.label} {record.name!r} is registered by both "
+                        f"{seen[1].provider} (plugin {seen[1].name!r}) and "
+                        f"{info.provider} (plugin {info.name!r}); uninstall one, or disable "
+                        "one in plugins.disable"
+                    )
+                    continue
+                collected[record.kind][record.name] = (record, info)
+        self._duplicates = duplicates
+        self._records = collected
+        return collected
+
+    @staticmethod
+    def _call_registration(function: Any, kind: PluginKind) -> list[PluginRecord]:
+        expected = RECORD_TYPES[kind]
+        result = function()
+        if result is None:
+            return []
+        if isinstance(result, PluginRecord):
+            result = [result]
+        records = list(result)
+        for record in records:
+            if not isinstance(record, expected):
+                raise TypeError(
+                    f"{kind.hook}() must return {expected.__name__} records, "
+                    f"got {type(record).__name__}"
+                )
+        return records
+
+    def check_duplicates(self) -> None:
+        """Raise :class:`DuplicatePluginError` if two plugins claim one name of one kind."""
+        self._collect()
+        if self._duplicates:
+            raise DuplicatePluginError("\n".join(self._duplicates))
+
+    def records(self, kind: PluginKind) -> dict[str, PluginRecord]:
+        """Every record of ``kind`` by name. Raises on duplicate names."""
+        self.check_duplicates()
+        return {name: rec for name, (rec, _) in sorted(self._collect()[kind].items())}
+
+    def provider(self, kind: PluginKind, name: str) -> PluginInfo:
+        return self._collect()[kind][normalize_name(name)][1]
+
+    def resolve(self, kind: PluginKind, name: str) -> PluginRecord:
+        """The record registered as ``name``, or an error that says what to do instead."""
+        available = self.records(kind)
+        key = normalize_name(name)
+        if key in available:
+            return available[key]
+        package = WELL_KNOWN[kind].get(key)
+        for info in self.plugins.values():
+            claims = normalize_name(info.name.split("@")[0]) == key or (
+                package is not None
+                and info.distribution is not None
+                and normalize_name(info.distribution) == normalize_name(package)
+            )
+            if not claims:
+                continue
+            if info.status is PluginStatus.BLOCKED:
+                raise PluginLoadError(
+                    f"{kind.label} {name!r} is provided by {info.provider}, which is disabled "
+                    f"(plugins.disable or {DISABLE_ENV}); remove it from there to use it"
+                )
+            if info.status is PluginStatus.FAILED:
+                raise PluginLoadError(
+                    f"{kind.label} {name!r} is provided by {info.provider}, which failed to "
+                    f"load: {info.reason}"
+                )
+        choices = ", ".join(available) or "(none installed)"
+        message = f"{kind.label} {name!r} is not installed. Choose one of: {choices}"
+        if package is not None:
+            message += f"; or install it: pip install {package}"
+        # A plugin that did not load may be the one that provides the name.
+        failed = [i for i in self.plugins.values() if i.status is PluginStatus.FAILED]
+        if failed:
+            message += "; plugins that failed to load: " + ", ".join(
+                f"{i.name} ({i.reason})" for i in failed
+            )
+        blocked = [i for i in self.plugins.values() if i.status is PluginStatus.BLOCKED]
+        if blocked:
+            message += (
+                "; plugins disabled by plugins.disable or "
+                + DISABLE_ENV
+                + ": "
+                + ", ".join(f"{i.name} ({i.provider})" for i in blocked)
+            )
+        raise PluginNotFoundError(message)
+
+    # -- lifecycle hooks -------------------------------------------------------------------
+
+    def emit(self, event: JobEvent) -> None:
+        """Deliver ``event`` to every ``planaria_job_event`` implementation, each isolated."""
+        for impl in self._pm.hook.planaria_job_event.get_hookimpls():
+            try:
+                # pluggy lets an implementation take fewer arguments than the spec offers.
+                impl.function(**{arg: event for arg in impl.argnames})
+            except Exception as exc:
+                log.warning(
+                    "job event observer failed",
+                    plugin=impl.plugin_name,
+                    event_kind=event.kind.value,
+                    error=_one_line_exception(exc),
+                )

@@ -1,0 +1,136 @@
+"""Records: what a plugin registers. One small frozen model per kind of plugin.
+
+A record names an implementation class, the pydantic model that validates its config section
+(``options``), and a one-line summary. Names are normalised (lower case, ``-`` becomes ``_``),
+so ``custom-script`` and ``custom_script`` are the same name.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from planaria.health import HealthCheck
+from planaria.rendezvous import RendezvousHandler
+from planaria.scheduler import Scheduler
+from planaria.storage import CheckpointStorage
+
+_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def normalize_name(name: str) -> str:
+    """``"Custom-Script "`` -> ``"custom_script"``."""
+    return name.strip().lower().replace("-", "_")
+
+
+class PluginKind(str, Enum):
+    HEALTH_CHECK = "health_check"
+    SCHEDULER = "scheduler"
+    RENDEZVOUS_BACKEND = "rendezvous_backend"
+    CHECKPOINT_STORAGE = "checkpoint_storage"
+
+    @property
+    def label(self) -> str:
+        return self.value.replace("_", " ")
+
+    @property
+    def hook(self) -> str:
+        return f"planaria_{self.value}s"
+
+
+class NoOptions(BaseModel):
+    """The options model of a plugin that takes none: any key is an error."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PluginRecord(BaseModel):
+    """Base of every record. Subclasses fix ``kind`` and the type of ``factory``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: ClassVar[PluginKind]
+
+    name: str
+    factory: type
+    options: type[BaseModel] = NoOptions
+    summary: str = ""
+
+    @field_validator("name")
+    @classmethod
+    def _normalize(cls, value: str) -> str:
+        name = normalize_name(value)
+        if not _NAME.match(name):
+            raise ValueError(
+                f"plugin name {value!r} must start with a letter and hold only letters, "
+                "digits, '_' and '-'"
+            )
+        return name
+
+    @field_validator("options")
+    @classmethod
+    def _forbid_extra(cls, model: type[BaseModel]) -> type[BaseModel]:
+        # A model that ignores unknown keys would let a user's typo pass silently.
+        if model.model_config.get("extra") != "forbid":
+            raise ValueError(
+                f"options model {model.__name__} must set model_config = "
+                "ConfigDict(extra='forbid') so that misspelled keys are reported"
+            )
+        return model
+
+    @field_validator("summary")
+    @classmethod
+    def _one_line(cls, value: str) -> str:
+        return " ".join(value.split())
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind.value, "name": self.name, "summary": self.summary}
+
+
+class HealthCheckRecord(PluginRecord):
+    """``HealthCheckRecord(name="host", factory=HostCheck, options=HostOptions, summary=...)``"""
+
+    kind: ClassVar[PluginKind] = PluginKind.HEALTH_CHECK
+    factory: type[HealthCheck]  # type: ignore[type-arg]  # pydantic rejects type[X[Any]]
+
+
+class SchedulerRecord(PluginRecord):
+    kind: ClassVar[PluginKind] = PluginKind.SCHEDULER
+    factory: type[Scheduler]  # type: ignore[type-arg]  # pydantic rejects type[X[Any]]
+
+
+class RendezvousBackendRecord(PluginRecord):
+    kind: ClassVar[PluginKind] = PluginKind.RENDEZVOUS_BACKEND
+    factory: type[RendezvousHandler]  # type: ignore[type-arg]  # pydantic rejects type[X[Any]]
+
+
+class CheckpointStorageRecord(PluginRecord):
+    kind: ClassVar[PluginKind] = PluginKind.CHECKPOINT_STORAGE
+    factory: type[CheckpointStorage]  # type: ignore[type-arg]  # pydantic rejects type[X[Any]]
+
+
+RECORD_TYPES: dict[PluginKind, type[PluginRecord]] = {
+    PluginKind.HEALTH_CHECK: HealthCheckRecord,
+    PluginKind.SCHEDULER: SchedulerRecord,
+    PluginKind.RENDEZVOUS_BACKEND: RendezvousBackendRecord,
+    PluginKind.CHECKPOINT_STORAGE: CheckpointStorageRecord,
+}
+
+# Names whose provider is well known: an unknown-name error tells the user what to install.
+WELL_KNOWN: dict[PluginKind, dict[str, str]] = {
+    PluginKind.HEALTH_CHECK: {
+        "nvidia": "planaria-nvidia",
+        "ascend": "planaria-ascend",
+        "custom_script": "planaria-custom-script",
+    },
+    PluginKind.SCHEDULER: {
+        "slurm": "planaria-slurm",
+        "ray": "planaria-ray",
+        "kubernetes": "planaria-kubernetes",
+    },
+    PluginKind.RENDEZVOUS_BACKEND: {},
+    PluginKind.CHECKPOINT_STORAGE: {"fsspec": "planaria-fsspec"},
+}

@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+PLUGIN_FIXTURES = FIXTURES / "plugins"
+
+
+@pytest.fixture
+def plugin_path(monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[str]]:
+    """Put committed fake distributions (``tests/fixtures/plugins/NAME``) on ``sys.path`` so that
+    their entry points load through importlib.metadata, as an installed package's would."""
+
+    def add(*names: str) -> list[str]:
+        paths = [str(PLUGIN_FIXTURES / name) for name in names]
+        for path in paths:
+            monkeypatch.syspath_prepend(path)
+        return paths
+
+    monkeypatch.delenv("PLANARIA_DISABLE_PLUGINS", raising=False)
+    return add
+
+
+def planaria_executable() -> str:
+    candidate = Path(sys.executable).parent / "planaria"
+    found = str(candidate) if candidate.exists() else shutil.which("planaria")
+    assert found, "the planaria console script is not installed"
+    return found
+
+
+@pytest.fixture
+def cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Run the real ``planaria`` command in ``tmp_path``; ``plugins=`` adds fixture plugins."""
+
+    def run(
+        *args: str, plugins: tuple[str, ...] = (), env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        full_env = {k: v for k, v in os.environ.items() if k != "PLANARIA_DISABLE_PLUGINS"}
+        if plugins:
+            extra = os.pathsep.join(str(PLUGIN_FIXTURES / p) for p in plugins)
+            full_env["PYTHONPATH"] = os.pathsep.join(
+                filter(None, [extra, full_env.get("PYTHONPATH")])
+            )
+        full_env["COLUMNS"] = "200"
+        full_env.update(env or {})
+        return subprocess.run(
+            [planaria_executable(), *args],
+            cwd=tmp_path,
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    return run
