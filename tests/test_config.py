@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 from planaria.checks.host import HostOptions
 from planaria.config import load
-from planaria.config.durations import format_duration, parse_duration
 from planaria.config.loader import parse_text
 from planaria.config.models import NodeRange
 from planaria.config.schema import config_schema
+from planaria.durations import format_duration, parse_duration
 from planaria.errors import ConfigError
 from planaria.plugin.manager import PluginManager
 
@@ -97,8 +97,11 @@ min_shm = "1MiB"
 def test_defaults_only(tmp_path):
     resolved, _ = load(None)
     assert [c.name for c in resolved.checks] == ["host"]
-    # The default scheduler is not installed by this distribution: no error until it is used.
-    assert "scheduler" not in resolved.backends
+    # Built-in defaults resolve; the default storage is not installed yet: it is left out
+    # until a command needs it, rather than reported.
+    assert resolved.backends["scheduler"].record.name == "local"
+    assert resolved.backends["rendezvous"].record.name == "master"
+    assert "checkpoint.storage" not in resolved.backends
 
 
 BAD = [

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from enum import Enum
+from pathlib import Path
 from typing import ClassVar, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -24,7 +25,9 @@ class NodeState(str, Enum):
 class LaunchSpec(BaseModel):
     """What every node must run: the agent command line and its environment.
 
-    ``command`` is an argument list, never a shell string.
+    ``command`` is an argument list, never a shell string. With ``log_dir`` each node's agent
+    writes its stdout and stderr to ``<log_dir>/<node_id>.log`` (mode 0600, appended); a
+    scheduler whose nodes cannot reach that directory says where their logs go instead.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -32,6 +35,7 @@ class LaunchSpec(BaseModel):
     job: str
     command: tuple[str, ...]
     env: dict[str, str] = Field(default_factory=dict)
+    log_dir: Path | None = None
 
 
 class NodeHandle(BaseModel):

@@ -14,7 +14,7 @@ import typer
 from pydantic import ValidationError
 
 from planaria import __version__, log
-from planaria.config import ResolvedConfig, load_raw, read
+from planaria.config import RawConfig, ResolvedConfig, load_raw, read
 from planaria.config.models import LoggingSection
 from planaria.errors import PlanariaError
 from planaria.plugin.manager import PluginManager
@@ -91,21 +91,25 @@ def load_job(
 ) -> tuple[ResolvedConfig, PluginManager]:
     """Read and validate a config (or the defaults), load the plugins it allows, resolve it."""
     raw = read(path, overrides or [])
-    # Configure logging from the file before plugins load, so their warnings follow it.
-    # A malformed logging section is reported by validation below.
+    configure_logging(raw)
+    return load_raw(raw)
+
+
+def configure_logging(raw: RawConfig) -> None:
+    """Configure logging from the file before plugins load, so that their warnings follow it.
+    A malformed logging section is reported by validation later."""
     with contextlib.suppress(ValidationError):
         logging = LoggingSection.model_validate(raw.data.get("logging") or {})
         log.configure(
             settings.log_format or logging.format,  # type: ignore[arg-type]
             settings.log_level or logging.level,
         )
-    return load_raw(raw)
 
 
 def main() -> None:
     """Entry point of the ``planaria`` command: planaria's own errors print without a
     traceback and exit 2."""
-    from planaria.cli import check, config_cmd, plugins  # noqa: F401 - registers commands
+    from planaria.cli import check, config_cmd, plugins, run  # noqa: F401 - registers commands
     from planaria.cli.output import error
 
     try:

@@ -22,7 +22,8 @@ from pydantic import (
     model_validator,
 )
 
-from planaria.config.durations import Duration
+from planaria.chaos import ChaosRule
+from planaria.durations import Duration
 from planaria.errors import PluginError
 from planaria.plugin.records import PluginKind
 
@@ -140,6 +141,17 @@ class JobSection(Section):
     node_unit: int = Field(default=1, ge=1)
     workdir: Path = Path(".")
     env: dict[str, str] = Field(default_factory=dict)
+    run_dir: Path = Field(
+        default=Path("planaria-runs"),
+        description="where each run gets a folder: event timeline, logs, checkpoints",
+    )
+    preload: list[str] = Field(
+        default_factory=lambda: ["torch"],
+        description="modules a warm interpreter imports once, so restarts skip the import",
+    )
+    stop_grace: Duration = Field(
+        default=5.0, description="SIGTERM, then SIGKILL after this long, when stopping workers"
+    )
 
     @field_validator("command", mode="before")
     @classmethod
@@ -240,6 +252,16 @@ class LoggingSection(Section):
         return value.lower() if isinstance(value, str) else value
 
 
+class MasterSection(Section):
+    host: str = Field(default="127.0.0.1", description="address the master's API binds")
+    port: int = Field(default=0, ge=0, le=65535, description="0: any free port")
+    advertise: str | None = Field(
+        default=None, description="address agents use to reach the master (default: host)"
+    )
+    heartbeat_interval: Duration = 2.0
+    heartbeat_timeout: Duration = 15.0
+
+
 class Config(Section):
     """The whole file. Every section is optional; defaults make a one-node job."""
 
@@ -250,3 +272,7 @@ class Config(Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     plugins: PluginsSection = Field(default_factory=PluginsSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
+    master: MasterSection = Field(default_factory=MasterSection)
+    chaos: list[ChaosRule] = Field(
+        default_factory=list, description="faults to inject, to rehearse recovery"
+    )

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from planaria.config.durations import Duration
+from planaria.durations import Duration
 
 
 class CustomScriptOptions(BaseModel):

@@ -1,0 +1,1 @@
+"""The agent: one per node. Joins rendezvous, runs and watches the node's workers."""

@@ -1,0 +1,302 @@
+"""The agent's life: register, join a round, run the workers, report, obey the master.
+
+One agent per node, started by the scheduler (``planaria agent``). Workers get exactly
+torchrun's environment, so a torchrun-ready script runs unchanged. Nothing the agent starts
+outlives it: workers and the warm interpreter die with it, even on SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+from planaria.agent.client import MasterClient
+from planaria.agent.workers import GroupResult, WorkerGroup, WorkerLauncher, WorkerSpec
+from planaria.chaos import ENV as CHAOS_ENV
+from planaria.chaos import ChaosRule, worker_rules_env
+from planaria.log import bind, get_logger
+from planaria.progress import ENV as PROGRESS_ENV
+from planaria.progress import ProgressBoard
+from planaria.protocol import (
+    Ack,
+    Action,
+    ChaosReport,
+    Heartbeat,
+    HeartbeatReply,
+    JobSpec,
+    RankProgress,
+    RegisterReply,
+    RegisterRequest,
+    WorkerFailure,
+    WorkersReport,
+)
+from planaria.rdzv.master import MasterRendezvous, MasterRendezvousOptions
+from planaria.rendezvous import NodeInfo, RendezvousInfo
+
+log = get_logger("agent")
+
+POLL = 0.02
+
+
+def node_address(master_url: str) -> str:
+    """Where other nodes reach this one: ``PLANARIA_ADDR``, loopback when the master is on
+    loopback (every node is on this machine), else this host's resolved address."""
+    if os.environ.get("PLANARIA_ADDR"):
+        return os.environ["PLANARIA_ADDR"]
+    host = urlparse(master_url).hostname or ""
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return "127.0.0.1"
+    except ValueError:
+        if host == "localhost":
+            return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
+
+
+def free_port(addr: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((addr, 0))
+        return int(sock.getsockname()[1])
+
+
+def worker_env(
+    spec: JobSpec, info: RendezvousInfo, local_rank: int, restart_count: int, extra: dict[str, str]
+) -> dict[str, str]:
+    """torchrun's environment for one worker, plus planaria's own variables."""
+    rank = info.rank_offset + local_rank
+    return {
+        **extra,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(info.world_size),
+        "LOCAL_WORLD_SIZE": str(spec.procs_per_node),
+        "GROUP_RANK": str(info.node_rank),
+        "GROUP_WORLD_SIZE": str(info.num_nodes),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(info.world_size),
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": info.master_addr,
+        "MASTER_PORT": str(info.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+        "TORCHELASTIC_RUN_ID": spec.run_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+    }
+
+
+class Agent:
+    def __init__(self, client: MasterClient, node_id: str, host: str, addr: str) -> None:
+        self.client = client
+        self.node_id = node_id
+        self.host = host
+        self.addr = addr
+
+    async def run(self) -> int:
+        reply = await self.client.call(
+            "/register",
+            RegisterRequest(node_id=self.node_id, host=self.host, addr=self.addr, pid=os.getpid()),
+            RegisterReply,
+        )
+        spec = self.spec = reply.spec
+        bind(job=spec.job, node=self.node_id)
+        self.client.give_up_after = spec.heartbeat_timeout
+        base_env = {**os.environ, **spec.env, "PLANARIA_RUN_DIR": spec.run_dir}
+        if spec.procs_per_node > 1:
+            base_env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does
+        board_path = Path("/dev/shm") / f"planaria-{spec.run_id}-{self.node_id}.progress"
+        self.board = ProgressBoard(board_path, spec.procs_per_node)
+        launcher = WorkerLauncher(
+            spec.command, Path(spec.workdir), base_env, spec.preload, spec.stop_grace
+        )
+        warming = asyncio.ensure_future(launcher.start())
+        self.rdzv = MasterRendezvous(MasterRendezvousOptions(), min_nodes=1, max_nodes=1)
+        try:
+            while True:
+                info = await self._join()
+                if info is None:
+                    return 0
+                await warming
+                action = await self._run_round(launcher, info, base_env)
+                if action.kind == "exit":
+                    return 0
+        finally:
+            warming.cancel()
+            await launcher.close()
+            self.board.close()
+
+    async def _join(self) -> RendezvousInfo | None:
+        from planaria.errors import RendezvousClosedError
+
+        self.rdzv.offer(self.addr, free_port(self.addr))
+        node = NodeInfo(
+            node_id=self.node_id, host=self.host, local_world_size=self.spec.procs_per_node
+        )
+        try:
+            return await asyncio.to_thread(self.rdzv.next_rendezvous, node, 1e9)
+        except RendezvousClosedError as exc:
+            log.info("rendezvous closed; exiting", reason=str(exc))
+            return None
+
+    async def _run_round(
+        self, launcher: WorkerLauncher, info: RendezvousInfo, base_env: dict[str, str]
+    ) -> Action:
+        spec, restart_count = self.spec, self.rdzv.restart_count
+        self.board.reset()
+        extra = {
+            **base_env,
+            PROGRESS_ENV: str(self.board.path),
+            CHAOS_ENV: worker_rules_env(spec.chaos),
+            "PLANARIA_NODE_ID": self.node_id,
+        }
+        logs = Path(spec.run_dir) / "logs"
+        specs = [
+            WorkerSpec(
+                local_rank=lr,
+                env=worker_env(spec, info, lr, restart_count, extra),
+                log_path=logs / f"rank-{info.rank_offset + lr}.log",
+            )
+            for lr in range(spec.procs_per_node)
+        ]
+        group = await launcher.spawn(specs)
+        started = time.time()
+        log.info("workers started", round=info.round, node_rank=info.node_rank, pids=group.pids)
+        round_state = _RoundState(info, started)
+        waiting = asyncio.ensure_future(group.wait())
+        watching = asyncio.ensure_future(self._watch(group, round_state, restart_count))
+        beating = asyncio.ensure_future(self._heartbeats(round_state))
+        try:
+            while True:
+                done, _ = await asyncio.wait(
+                    {waiting, beating}, return_when=asyncio.FIRST_COMPLETED
+                )
+                if waiting in done and not round_state.reported:
+                    await self._report(round_state, waiting.result())
+                if beating in done:
+                    action = beating.result()
+                    if action.kind in ("restart", "exit"):
+                        await group.stop()
+                        return action
+                    beating = asyncio.ensure_future(self._heartbeats(round_state))
+        finally:
+            for task in (waiting, watching, beating):
+                task.cancel()
+            await group.stop()
+
+    async def _report(self, state: _RoundState, result: GroupResult) -> None:
+        state.reported = True
+        state.activity = "succeeded" if result.succeeded else "failed"
+        failure = None
+        if result.first_failure is not None:
+            f = result.first_failure
+            failure = WorkerFailure(
+                local_rank=f.local_rank,
+                rank=state.info.rank_offset + f.local_rank,
+                pid=f.pid,
+                exitcode=f.exitcode,
+                signal=f.signal,
+                time=f.time,
+                log_tail=f.log_tail,
+                description=f.describe(),
+            )
+            log.warning("worker failed", rank=failure.rank, reason=failure.description)
+        last = max((p.step for p in self.board.read_all()), default=-1)
+        await self.client.call(
+            "/workers",
+            WorkersReport(
+                node_id=self.node_id,
+                round=state.info.round,
+                succeeded=result.succeeded,
+                failure=failure,
+                last_step=last,
+            ),
+            Ack,
+        )
+
+    def _beat(self, state: _RoundState, wait: bool) -> Heartbeat:
+        progress = [
+            RankProgress(local_rank=i, step=p.step, time=p.time)
+            for i, p in enumerate(self.board.read_all())
+        ]
+        return Heartbeat(
+            node_id=self.node_id,
+            round=state.info.round,
+            activity=state.activity,
+            progress=progress,
+            first_step_time=state.first_step_time,
+            wait=wait,
+        )
+
+    async def _heartbeats(self, state: _RoundState) -> Action:
+        reply = await self.client.call("/heartbeat", self._beat(state, wait=True), HeartbeatReply)
+        return reply.action
+
+    async def _watch(self, group: WorkerGroup, state: _RoundState, restart_count: int) -> None:
+        """Notice the first step (to time recovery) and fire agent-side chaos rules."""
+        rules = [r for r in self.spec.chaos if r.attempt == restart_count and not r.in_worker]
+        rank_range = range(
+            state.info.rank_offset, state.info.rank_offset + self.spec.procs_per_node
+        )
+        while True:
+            await asyncio.sleep(POLL)
+            slots = self.board.read_all()
+            steps = [p for p in slots if p.step >= 0]
+            if state.first_step_time is None and steps:
+                state.first_step_time = min(p.time for p in steps)
+                # Tell the master now (it times recovery), not at the next long poll.
+                await self.client.call("/heartbeat", self._beat(state, wait=False), HeartbeatReply)
+            top = max((p.step for p in steps), default=-1)
+            elapsed = time.time() - state.started
+            for rule in list(rules):
+                due = (rule.at_step is not None and top >= rule.at_step) or (
+                    rule.after is not None and elapsed >= rule.after
+                )
+                if not due:
+                    continue
+                if rule.kind == "kill_node" and rule.node_rank == state.info.node_rank:
+                    await self._kill_self(rule)
+                elif rule.kind == "kill_worker" and rule.rank in rank_range:
+                    assert rule.rank is not None
+                    rules.remove(rule)
+                    log.warning("chaos: killing worker", rank=rule.rank)
+                    group.kill(rule.rank - state.info.rank_offset)
+                else:
+                    rules.remove(rule)
+
+    async def _kill_self(self, rule: ChaosRule) -> None:
+        log.warning("chaos: killing this node's agent", rule=rule.model_dump(mode="json"))
+        report = ChaosReport(node_id=self.node_id, rule=rule, time=time.time())
+        try:
+            await asyncio.wait_for(self.client.call("/chaos", report, Ack), timeout=2)
+        finally:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _RoundState:
+    def __init__(self, info: RendezvousInfo, started: float) -> None:
+        self.info = info
+        self.started = started
+        self.activity: str = "running"
+        self.reported = False
+        self.first_step_time: float | None = None
+
+
+async def main(master_url: str, token: str, node_id: str, host: str) -> int:
+    client = MasterClient(master_url, token)
+    agent = Agent(client, node_id, host, node_address(master_url))
+    task = asyncio.ensure_future(agent.run())
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        log.info("agent stopped by signal")
+        return 143
+    finally:
+        await client.close()

@@ -1,0 +1,578 @@
+"""Starting, watching and stopping the user's worker processes.
+
+Every worker runs in its own session (stopping it kills its whole process group, e.g. its
+dataloader processes too), with PR_SET_PDEATHSIG=SIGKILL (it dies with its parent, even when the
+agent is SIGKILLed), stdin from /dev/null and stdout+stderr appended to its log file.
+
+A plain Python command (``python [-u -O -B] script.py ...``, ``-m module``, ``-c code``) run by
+this very interpreter goes through a warm zygote (:mod:`planaria.agent.zygote`): one
+pre-imported interpreter per launcher that forks the workers, so that a restart pays neither
+interpreter start-up nor ``import torch``. Any other command is exec'd.
+
+Forks happen in the event loop's thread, and PDEATHSIG fires when the forking *thread* exits:
+the loop must run in a thread that lives as long as the agent (``asyncio.run`` in main).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from planaria.agent import zygote as _zygote
+from planaria.errors import PlanariaError
+from planaria.log import get_logger
+
+log = get_logger("agent.workers")
+
+KILL_TIMEOUT = 30.0  # a process still there this long after SIGKILL is stuck in the kernel
+_PYTHON_NAME = re.compile(r"python(\d+(\.\d+)?)?\Z")
+_SIMPLE_FLAGS = re.compile(r"-[uBO]+\Z")
+_order = itertools.count()
+
+
+class WorkerSpawnError(PlanariaError):
+    """Workers could not be started (bad command, unwritable log, fork failure ...)."""
+
+
+class WorkerStopError(PlanariaError):
+    """Workers survived SIGKILL: stuck in the kernel (e.g. in a hung device driver)."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    local_rank: int
+    env: dict[str, str]  # the COMPLETE environment of the worker
+    log_path: Path  # stdout+stderr are appended here (parents created, file mode 0600)
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    local_rank: int
+    pid: int
+    exitcode: int | None  # None if killed by a signal
+    signal: int | None  # the signal number if killed by a signal
+    time: float  # time.time() when the exit was seen
+    log_tail: str  # the last lines (<= 40 lines, <= 8 KiB) of its log
+    stopped: bool = False  # the agent had asked it to stop (stop(), or a sibling failed)
+
+    @property
+    def ok(self) -> bool:
+        return self.exitcode == 0
+
+    def describe(self) -> str:
+        if self.signal is None:
+            return f"exit code {self.exitcode}"
+        try:
+            return f"killed by {signal.Signals(self.signal).name}"
+        except ValueError:
+            return f"killed by signal {self.signal}"
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    succeeded: bool  # all workers exited 0 (and none was stopped)
+    first_failure: WorkerExit | None  # the first worker that failed by itself (by time seen)
+    exits: list[WorkerExit]  # every worker's exit in the order seen, incl. stopped siblings
+    stopped: bool = False  # stop() was called before any worker failed
+
+
+def read_log_tail(path: Path, max_lines: int = 40, max_bytes: int = 8192) -> str:
+    """The last whole lines of a log, within both limits; "" if it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            start = max(0, f.seek(0, os.SEEK_END) - max_bytes - 1)
+            f.seek(start)
+            data = f.read()
+    except OSError:
+        return ""
+    if start > 0:  # drop the first line: it may be partial
+        data = data[data.find(b"\n") + 1 :] if b"\n" in data else b""
+    lines = data.decode("utf-8", "replace").splitlines()[-max_lines:]
+    while lines and len("\n".join(lines).encode()) > max_bytes:
+        lines.pop(0)
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class PythonProgram:
+    """What ``python [simple flags] (script | -m module | -c code) args...`` runs."""
+
+    interpreter: str
+    flags: tuple[str, ...]
+    kind: str  # "script" | "module" | "code"
+    target: str
+    args: tuple[str, ...]
+
+
+def is_python(executable: str) -> bool:
+    return executable == sys.executable or bool(_PYTHON_NAME.match(os.path.basename(executable)))
+
+
+def parse_python_command(command: Sequence[str]) -> PythonProgram | None:
+    """The Python program a command runs; None if the zygote could not run it faithfully."""
+    i = 1
+    while i < len(command) and _SIMPLE_FLAGS.match(command[i]):
+        i += 1
+    if i >= len(command) or not is_python(command[0]):
+        return None
+    exe, flags, rest = command[0], tuple(command[1:i]), command[i:]
+    if rest[0] in ("-m", "-c") and len(rest) > 1:
+        kind = "module" if rest[0] == "-m" else "code"
+        return PythonProgram(exe, flags, kind, rest[1], tuple(rest[2:]))
+    if rest[0].startswith("-"):
+        return None
+    return PythonProgram(exe, flags, "script", rest[0], tuple(rest[1:]))
+
+
+def same_interpreter(executable: str, cwd: Path, env: Mapping[str, str]) -> bool:
+    """Whether ``executable``, as the worker would find it, is this interpreter in this
+    environment: the same file in the same directory (a venv's python is a symlink to the base
+    interpreter, yet has other site-packages)."""
+    if not sys.executable or executable == sys.executable:
+        return bool(sys.executable)
+    found = (
+        str(cwd / executable)
+        if os.sep in executable
+        else shutil.which(executable, path=env.get("PATH", os.defpath))
+    )
+    ours = os.path.abspath(sys.executable)
+    try:
+        found = os.path.abspath(found or "")
+        return os.path.dirname(found) == os.path.dirname(ours) and os.path.samefile(found, ours)
+    except OSError:
+        return False
+
+
+def _groups_alive(pgids: set[int]) -> bool:
+    """Whether any non-zombie process is in one of these process groups (empties dropped)."""
+    for pgid in list(pgids):
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            pgids.discard(pgid)  # the common, cheap case: nobody left at all
+        except PermissionError:
+            pass
+    for entry in os.scandir("/proc") if pgids else ():
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                state, _, pgrp = f.read().rsplit(b")", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):
+            continue
+        if state not in (b"Z", b"X") and int(pgrp) in pgids:
+            return True
+    return False
+
+
+class _Worker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec, self.pid, self.stopping, self.order = spec, 0, False, 0
+        self.future: asyncio.Future[WorkerExit] = asyncio.get_running_loop().create_future()
+        self.watcher: asyncio.Future[None] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.future.done()
+
+    def signal(self, sig: int, group: bool = True) -> None:
+        if self.done or self.pid <= 0:
+            return
+        if group:
+            _zygote.signal_group(self.pid, sig)
+        else:
+            with contextlib.suppress(OSError):
+                os.kill(self.pid, sig)
+
+    def exited(self, exitcode: int | None, sig: int | None, clean_group: bool) -> None:
+        if self.done:
+            return
+        if clean_group:  # kill what it left behind in its process group
+            _zygote.signal_group(self.pid, signal.SIGKILL, leader_alive=False)
+        self.order = next(_order)
+        tail = read_log_tail(self.spec.log_path)
+        rank, stopped = self.spec.local_rank, self.stopping
+        self.future.set_result(
+            WorkerExit(rank, self.pid, exitcode, sig, time.time(), tail, stopped)
+        )
+
+
+class WorkerGroup:
+    """The workers of one spawn. ``wait()`` returns at the first failure, stopping the rest."""
+
+    def __init__(self, workers: Sequence[_Worker], stop_grace: float) -> None:
+        self._workers = {w.spec.local_rank: w for w in workers}
+        self.pids: dict[int, int] = {w.spec.local_rank: w.pid for w in workers}
+        self.stop_grace = stop_grace
+        self._wait_task: asyncio.Future[GroupResult] | None = None
+        self._stop_task: asyncio.Future[list[WorkerExit]] | None = None
+
+    @property
+    def running(self) -> bool:
+        return any(not w.done for w in self._workers.values())
+
+    async def wait(self) -> GroupResult:
+        if self._wait_task is None:
+            self._wait_task = asyncio.ensure_future(self._wait())
+        return await asyncio.shield(self._wait_task)
+
+    async def _wait(self) -> GroupResult:
+        pending = {w.future for w in self._workers.values()}
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if any(not f.result().ok for f in done):
+                break
+        if pending:
+            await self.stop()
+        exits = [w.future.result() for w in sorted(self._workers.values(), key=lambda w: w.order)]
+        failures = [e for e in exits if not e.ok and not e.stopped]
+        stopped = any(e.stopped for e in exits)
+        return GroupResult(
+            succeeded=not failures and not stopped and all(e.ok for e in exits),
+            first_failure=failures[0] if failures else None,
+            exits=exits,
+            stopped=stopped and not failures,
+        )
+
+    async def stop(self) -> list[WorkerExit]:
+        """SIGTERM every running worker's process group, SIGKILL after ``stop_grace``."""
+        if self._stop_task is None:
+            self._stop_task = asyncio.ensure_future(self._stop())
+        return list(await asyncio.shield(self._stop_task))
+
+    async def _stop(self) -> list[WorkerExit]:
+        running = [w for w in self._workers.values() if not w.done]
+        await _terminate(running, signal.SIGTERM, self.stop_grace)
+        pgids = {w.pid for w in running}
+        for _ in range(100):  # their children got SIGKILL when the leader exited: wait for it
+            if not _groups_alive(pgids):
+                break
+            for pgid in pgids:
+                _zygote.signal_group(pgid, signal.SIGKILL, leader_alive=False)
+            await asyncio.sleep(0.01)
+        return [w.future.result() for w in sorted(running, key=lambda w: w.order)]
+
+    def kill(self, local_rank: int, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to one worker process (not its group): fault injection."""
+        self._workers[local_rank].signal(sig, group=False)
+
+
+async def _terminate(workers: Sequence[_Worker], sig: int, grace: float) -> None:
+    """Send ``sig`` to the workers' groups, SIGKILL after ``grace``; wait until they are gone."""
+    for w in workers:
+        w.stopping = True
+    for w in workers:
+        w.signal(sig)
+    pending = {w.future for w in workers if not w.done}
+    if pending and sig != signal.SIGKILL:
+        _, pending = await asyncio.wait(pending, timeout=grace)
+        for w in workers:
+            w.signal(signal.SIGKILL)
+    if pending:
+        _, pending = await asyncio.wait(pending, timeout=KILL_TIMEOUT)
+    if pending:
+        stuck = sorted(w.pid for w in workers if not w.done)
+        raise WorkerStopError(f"worker processes {stuck} survived SIGKILL for {KILL_TIMEOUT}s")
+
+
+class _ZygoteClient:
+    """The agent's end of one zygote process."""
+
+    def __init__(self, launcher: WorkerLauncher, program: PythonProgram) -> None:
+        self.launcher, self.program = launcher, program
+        self.proc: asyncio.subprocess.Process | None = None
+        self.alive = False
+        self.info: dict[str, Any] = {}
+        self._sock: socket.socket | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader: asyncio.Future[None] | None = None
+        self._ready: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending: dict[int, tuple[_Worker, asyncio.Future[None]]] = {}
+        self._running: dict[int, _Worker] = {}  # request id -> worker
+        self._ids = itertools.count(1)
+
+    async def start(self, timeout: float) -> None:
+        lau, p = self.launcher, self.program
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        program = {"kind": p.kind, "target": p.target, "args": list(p.args)}
+        config = {"parent": os.getpid(), "fd": theirs.fileno(), "preload": list(lau.preload)}
+        config.update(program=program, cwd=str(lau.cwd))
+        zygote_file = str(Path(_zygote.__file__).resolve())
+        argv = [sys.executable, *p.flags, "-c", _zygote.BOOTSTRAP, zygote_file, json.dumps(config)]
+        self._sock = ours  # close() closes it if we fail or are cancelled before the end
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=subprocess.DEVNULL, stdout=2, cwd=lau.cwd, env=lau.base_env,
+                pass_fds=(theirs.fileno(),), start_new_session=True,
+            )  # fmt: skip
+        finally:
+            theirs.close()
+        self.alive = True
+        reader, self._writer = await asyncio.open_unix_connection(sock=ours, limit=1 << 20)
+        self._reader = asyncio.ensure_future(self._read(reader))
+        self.info = await asyncio.wait_for(asyncio.shield(self._ready), timeout)
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while line := await reader.readline():
+                msg = json.loads(line)
+                kind, rid = msg.get("type"), msg.get("id")
+                if kind == "ready" and not self._ready.done():
+                    self._ready.set_result(msg)
+                elif kind in ("spawned", "error") and rid in self._pending:
+                    worker, fut = self._pending.pop(rid)
+                    if kind == "error":
+                        fut.set_exception(WorkerSpawnError(f"cannot start: {msg['error']}"))
+                        continue
+                    worker.pid = msg["pid"]
+                    self._running[rid] = worker
+                    fut.set_result(None)
+                elif kind == "exited" and (gone := self._running.pop(rid, None)):
+                    gone.exited(msg["exitcode"], msg["signal"], clean_group=False)
+        except (OSError, ValueError) as exc:
+            log.error("lost the zygote's channel", error=str(exc))
+        finally:
+            self._lost()
+
+    def _lost(self) -> None:
+        self.alive = False
+        err = WorkerSpawnError("the zygote exited")
+        futures: list[asyncio.Future[Any]] = [self._ready]
+        for fut in futures + [fut for _, fut in self._pending.values()]:
+            if not fut.done():
+                fut.set_exception(err)
+        self._ready.exception()  # retrieved: start() may be gone (cancelled)
+        self._pending.clear()
+        for worker in self._running.values():  # PDEATHSIG has SIGKILLed them
+            worker.signal(signal.SIGKILL)
+            worker.exited(None, signal.SIGKILL, clean_group=True)
+        self._running.clear()
+        self.launcher._zygote_lost(self)
+
+    async def spawn(self, specs: Sequence[WorkerSpec]) -> list[_Worker]:
+        if not self.alive or self._writer is None:
+            raise WorkerSpawnError("the zygote is not running")
+        loop, workers, futures = asyncio.get_running_loop(), [], []
+        for spec in specs:
+            rid, worker, fut = next(self._ids), _Worker(spec), loop.create_future()
+            self._pending[rid] = (worker, fut)
+            workers.append(worker)
+            futures.append(fut)
+            req = {"op": "spawn", "id": rid, "local_rank": spec.local_rank, "env": spec.env}
+            req["log_path"] = str(spec.log_path.absolute())
+            self._writer.write(json.dumps(req).encode() + b"\n")
+        with contextlib.suppress(OSError):  # if the zygote died, _lost() fails the futures
+            await self._writer.drain()
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await _terminate([w for w in workers if w.pid > 0], signal.SIGKILL, 0.0)
+            raise errors[0]
+        return workers
+
+    async def close(self) -> None:
+        if self.proc is not None and not self._ready.done():
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()  # still preloading: it has no children yet
+        if self._writer is not None:
+            with contextlib.suppress(OSError, RuntimeError):
+                self._writer.write(b'{"op":"shutdown"}\n')
+                await self._writer.drain()
+            self._writer.close()
+        elif self._sock is not None:
+            self._sock.close()
+        if self.proc is not None:
+            try:
+                await asyncio.wait_for(self.proc.wait(), 5.0)
+            except asyncio.TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.kill()
+                await self.proc.wait()
+        if self._reader is not None:
+            await self._reader
+        self.alive = False
+
+
+def _pdeathsig_preexec(parent: int) -> Callable[[], None]:
+    """A ``preexec_fn`` (between fork and exec) that makes the child die with ``parent``. It
+    must not take locks or load libraries there: libc's prctl is resolved beforehand."""
+    prctl = _zygote.libc().prctl
+
+    def preexec() -> None:
+        prctl(_zygote.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+class WorkerLauncher:
+    """Starts groups of workers for one command; owns the warm zygote, if any."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        cwd: Path,
+        base_env: Mapping[str, str],
+        preload: Sequence[str] = ("torch",),
+        stop_grace: float = 3.0,
+        *,
+        use_zygote: bool = True,
+        start_timeout: float = 120.0,
+    ) -> None:
+        if not command:
+            raise ValueError("the worker command is empty")
+        self.command, self.cwd, self.base_env = tuple(command), Path(cwd), dict(base_env)
+        self.preload, self.stop_grace, self.start_timeout = (
+            tuple(preload),
+            stop_grace,
+            start_timeout,
+        )
+        self.program = parse_python_command(self.command)
+        self.cold_reason: str | None = None  # why spawns do not go through a zygote
+        if self.program is None:
+            self.cold_reason = "not a plain Python command"
+        elif not use_zygote:
+            self.cold_reason = "the zygote is disabled"
+        elif not same_interpreter(self.program.interpreter, self.cwd, self.base_env):
+            self.cold_reason = f"{self.program.interpreter!r} is not {sys.executable}"
+        self.preloaded: list[str] = []
+        self.preload_failures: dict[str, str] = {}
+        self._zygote: _ZygoteClient | None = None
+        self._starting: asyncio.Future[None] | None = None
+        self._groups: list[WorkerGroup] = []
+        self._closing: asyncio.Future[None] | None = None
+
+    @property
+    def warm(self) -> bool:
+        """Whether spawns go through the zygote."""
+        return self._zygote is not None and self._zygote.alive
+
+    @property
+    def zygote_pid(self) -> int | None:
+        proc = self._zygote.proc if self._zygote is not None and self.warm else None
+        return proc.pid if proc is not None else None
+
+    async def start(self) -> None:
+        """Start the warm zygote now if the command is a Python program (else do nothing)."""
+        if self.cold_reason is not None or self._closing is not None or self.warm:
+            return
+        if self._starting is None or self._starting.done():
+            self._starting = asyncio.ensure_future(self._start_zygote())
+        await asyncio.shield(self._starting)
+
+    async def _start_zygote(self) -> None:
+        assert self.program is not None
+        if self._zygote is not None:  # a dead one
+            await self._zygote.close()
+        zygote, started = _ZygoteClient(self, self.program), time.monotonic()
+        try:
+            await zygote.start(self.start_timeout)
+            if zygote.info.get("cuda_initialized"):
+                raise WorkerSpawnError("a preloaded module initialized CUDA: forks cannot use it")
+        except Exception as exc:
+            await zygote.close()
+            self.cold_reason = f"the zygote failed: {exc or type(exc).__name__}"
+            log.warning("workers will start cold", reason=self.cold_reason)
+            return
+        except BaseException:  # cancelled: leave nothing behind
+            await asyncio.shield(zygote.close())
+            raise
+        self._zygote, info = zygote, zygote.info
+        self.preloaded, self.preload_failures = info["preloaded"], info["failed"]
+        for name, why in self.preload_failures.items():
+            log.warning("cannot preload module", module=name, error=why)
+        seconds = round(time.monotonic() - started, 3)
+        log.info(
+            "zygote ready",
+            pid=info["pid"],
+            preloaded=self.preloaded,
+            seconds=seconds,
+            threads=info["threads"],
+        )
+
+    def _zygote_lost(self, zygote: _ZygoteClient) -> None:
+        if self._closing is None and zygote is self._zygote:
+            log.warning("the zygote exited; the next spawn starts a new one")
+
+    async def spawn(self, specs: Sequence[WorkerSpec]) -> WorkerGroup:
+        if self._closing is not None:
+            raise WorkerSpawnError("the launcher is closed")
+        ranks = [s.local_rank for s in specs]
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"duplicate local ranks in {ranks}")
+        for spec in specs:
+            try:
+                spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise WorkerSpawnError(f"cannot create the log directory: {exc}") from exc
+        if self.cold_reason is None and not self.warm:
+            await self.start()
+        if self._zygote is not None and self.warm:
+            workers = await self._zygote.spawn(specs)
+        else:
+            workers = await self._spawn_exec(specs)
+        group = WorkerGroup(workers, self.stop_grace)
+        self._groups = [g for g in self._groups if g.running] + [group]
+        return group
+
+    async def _spawn_exec(self, specs: Sequence[WorkerSpec]) -> list[_Worker]:
+        argv = list(self.command)
+        if is_python(argv[0]) and not (self.program and any("u" in f for f in self.program.flags)):
+            argv.insert(1, "-u")  # unbuffered: the log stays current
+        preexec, workers = _pdeathsig_preexec(os.getpid()), []
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+        try:
+            for spec in specs:
+                worker = _Worker(spec)
+                fd = os.open(spec.log_path, flags, 0o600)
+                try:  # this forks in the event loop's thread: see the module's docstring
+                    proc = await asyncio.create_subprocess_exec(
+                        *argv, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
+                        cwd=self.cwd, env=spec.env, start_new_session=True, preexec_fn=preexec,
+                    )  # fmt: skip
+                finally:
+                    os.close(fd)
+                worker.pid = proc.pid
+                worker.watcher = asyncio.ensure_future(self._watch(worker, proc))
+                workers.append(worker)
+        except (OSError, subprocess.SubprocessError) as exc:
+            await _terminate(workers, signal.SIGKILL, 0.0)
+            raise WorkerSpawnError(f"cannot start {argv[0]!r}: {exc}") from exc
+        return workers
+
+    @staticmethod
+    async def _watch(worker: _Worker, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        worker.exited(code if code >= 0 else None, -code if code < 0 else None, clean_group=True)
+
+    async def close(self) -> None:
+        """Stop every group still running, then the zygote. Idempotent."""
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
+        if self._starting is not None and not self._starting.done():
+            self._starting.cancel()
+            with contextlib.suppress(BaseException):
+                await self._starting
+        stops = await asyncio.gather(*(g.stop() for g in self._groups), return_exceptions=True)
+        self._groups.clear()
+        if self._zygote is not None:
+            await self._zygote.close()
+        for result in stops:
+            if isinstance(result, BaseException):
+                raise result

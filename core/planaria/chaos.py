@@ -1,0 +1,109 @@
+"""Fault injection: rehearse recovery on a real job.
+
+Rules come from the ``chaos:`` config section or ``planaria run --chaos``. Worker-side rules
+(``kill_worker``/``raise_in_worker`` at a step) fire inside the worker, in
+:func:`planaria.monitor.step`, so they hit the exact step; they also work under torchrun when
+``PLANARIA_CHAOS`` is set. Time-based rules and ``kill_node`` fire in the agent.
+
+A rule fires in one attempt only: ``attempt`` is the restart count it waits for (0 = the first
+run), so a rule never fires again after the recovery it caused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from planaria.durations import Duration
+
+ENV = "PLANARIA_CHAOS"
+
+Kind = Literal["kill_worker", "raise_in_worker", "kill_node"]
+
+
+class ChaosRule(BaseModel):
+    """``{kind: kill_worker, rank: 1, at_step: 20}`` or, on the command line,
+    ``--chaos "kill_worker rank=1 at_step=20"``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Kind
+    rank: int | None = Field(default=None, ge=0, description="global rank (worker rules)")
+    node_rank: int | None = Field(default=None, ge=0, description="node rank (kill_node)")
+    at_step: int | None = Field(default=None, ge=0)
+    after: Duration | None = Field(default=None, description="time since the workers started")
+    attempt: int = Field(default=0, ge=0, description="the restart count in which it fires")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _parse_text(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        kind, *pairs = value.split()
+        data: dict[str, Any] = {"kind": kind}
+        for pair in pairs:
+            key, sep, item = pair.partition("=")
+            if not sep:
+                raise ValueError(f"expected KEY=VALUE after the kind, got {pair!r}")
+            data[key] = item
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChaosRule:
+        if (self.at_step is None) == (self.after is None):
+            raise ValueError("give exactly one of at_step or after")
+        if self.kind == "kill_node":
+            if self.node_rank is None or self.rank is not None:
+                raise ValueError("kill_node takes node_rank (not rank)")
+        else:
+            if self.rank is None or self.node_rank is not None:
+                raise ValueError(f"{self.kind} takes rank (the global rank, not node_rank)")
+            if self.kind == "raise_in_worker" and self.at_step is None:
+                raise ValueError("raise_in_worker fires inside the worker: give at_step")
+        return self
+
+    @property
+    def in_worker(self) -> bool:
+        return self.kind != "kill_node" and self.at_step is not None
+
+
+def worker_rules_env(rules: list[ChaosRule]) -> str:
+    return json.dumps([r.model_dump(mode="json") for r in rules if r.in_worker])
+
+
+class InjectedFault(RuntimeError):
+    """Raised in a worker by a ``raise_in_worker`` rule."""
+
+
+class WorkerChaos:
+    """The rules that concern this worker, checked on every step."""
+
+    def __init__(self, env: dict[str, str] | os._Environ[str] = os.environ) -> None:
+        self.rules: list[ChaosRule] = []
+        text = env.get(ENV)
+        if not text:
+            return
+        rank = int(env.get("RANK", "0"))
+        attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        for item in json.loads(text):
+            rule = ChaosRule.model_validate(item)
+            if rule.in_worker and rule.rank == rank and rule.attempt == attempt:
+                self.rules.append(rule)
+
+    def check(self, step: int) -> None:
+        for rule in self.rules:
+            if rule.at_step == step:
+                message = (
+                    f"planaria chaos: {rule.kind} rank={rule.rank} at_step={step} "
+                    f"attempt={rule.attempt} time={time.time():.6f}"
+                )
+                print(message, file=sys.stderr, flush=True)
+                if rule.kind == "kill_worker":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise InjectedFault(message)

@@ -1,0 +1,253 @@
+"""``planaria run``: start the master, get the nodes, train, recover, summarise."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import secrets
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.live import Live
+from rich.table import Table
+
+from planaria import log
+from planaria.cli.app import SetOption, app, configure_logging
+from planaria.cli.output import error, out
+from planaria.config import ResolvedConfig, load_raw, read
+from planaria.errors import ConfigError, ConfigIssue
+from planaria.events import EventKind, JobEvent
+from planaria.master.job import JobSettings, JobState, Master
+from planaria.master.server import make_app, serve
+from planaria.master.timeline import Summary
+from planaria.plugin.manager import PluginManager
+from planaria.protocol import MASTER_ENV, TOKEN_ENV, JobSpec
+from planaria.scheduler import LaunchSpec
+
+EVENT_STYLE = {
+    EventKind.FAULT_DETECTED: "bold red",
+    EventKind.WORKERS_RESTARTED: "yellow",
+    EventKind.NODE_REPLACED: "yellow",
+    EventKind.JOB_FINISHED: "bold green",
+    EventKind.JOB_STOPPED: "bold red",
+}
+
+
+def _prepare(
+    file: Path, overrides: list[str], chaos: list[str], command: list[str]
+) -> tuple[ResolvedConfig, PluginManager]:
+    raw = read(file, overrides)
+    if chaos:
+        raw.data["chaos"] = [*(raw.data.get("chaos") or []), *chaos]
+    if command:
+        job = raw.data.setdefault("job", {})
+        if isinstance(job, dict):
+            job["command"] = command
+    configure_logging(raw)
+    resolved, manager = load_raw(raw)
+    issues = []
+    if not resolved.config.job.command:
+        issues.append(
+            ConfigIssue("job.command", "no training command: set it, or give it after --")
+        )
+    if "scheduler" not in resolved.backends:
+        issues.append(
+            ConfigIssue(
+                "scheduler.backend",
+                f"scheduler {resolved.config.scheduler.backend!r} is not installed",
+            )
+        )
+    if resolved.config.rendezvous.backend != "master":
+        issues.append(
+            ConfigIssue(
+                "rendezvous.backend", "planaria run forms rounds in its master: use 'master'"
+            )
+        )
+    if issues:
+        raise ConfigError(issues, raw.source)
+    return resolved, manager
+
+
+def _run_dir(resolved: ResolvedConfig) -> tuple[str, Path]:
+    job = resolved.config.job
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_id = f"{job.name}-{stamp}-{secrets.token_hex(2)}"
+    run_dir = (job.workdir / job.run_dir / run_id).absolute()
+    (run_dir / "logs").mkdir(parents=True, mode=0o700)
+    return run_id, run_dir
+
+
+def _status_table(master: Master) -> Table:
+    status = master.status()
+    table = Table(title=f"{status.job} - {status.state}", expand=False)
+    for column in ("round", "step", "restarts", "nodes"):
+        table.add_column(column)
+    up = sum(1 for n in status.nodes if n.node_rank is not None and n.state == "running")
+    table.add_row(
+        str(status.round),
+        str(max(status.step, 0)),
+        f"{status.restarts}/{status.max_restarts}",
+        f"{up} running / {len(status.nodes)} known",
+    )
+    return table
+
+
+def _print_event(event: JobEvent) -> None:
+    style = EVENT_STYLE.get(event.kind)
+    stamp = datetime.datetime.fromtimestamp(event.time).strftime("%H:%M:%S.%f")[:-3]
+    text = f"{stamp} {event.kind.value:<22} {event.message}"
+    out.print(f"[{style}]{text}[/]" if style else text, markup=bool(style), highlight=False)
+
+
+def print_summary(summary: Summary, run_dir: Path) -> None:
+    table = Table(title="summary", show_header=False)
+    table.add_column("what")
+    table.add_column("value")
+    table.add_row("result", f"{summary.state}: {summary.reason}")
+    table.add_row("steps done", str(summary.steps))
+    table.add_row("wall time", f"{summary.wall_s:.2f}s")
+    if summary.startup_s is not None:
+        table.add_row("start-up (to first step)", f"{summary.startup_s:.2f}s")
+    table.add_row("restarts", str(summary.restarts))
+    table.add_row("downtime (recovery)", f"{summary.downtime_s:.2f}s")
+    table.add_row("goodput", f"{summary.goodput:.1%}")
+    out.print(table)
+    if summary.faults:
+        faults = Table(title="faults")
+        for column in ("fault", "detail", "action", "recovery", "steps lost"):
+            faults.add_column(column, overflow="fold")
+        for fault in summary.faults:
+            recovery = "-" if fault.recovery_s is None else f"{fault.recovery_s:.2f}s"
+            lost = "-" if fault.steps_lost is None else str(fault.steps_lost)
+            faults.add_row(fault.kind, fault.detail, fault.action, recovery, lost)
+        out.print(faults)
+    out.print(f"timeline: {run_dir / 'events.jsonl'}\nlogs: {run_dir / 'logs'}")
+
+
+async def _run(resolved: ResolvedConfig, manager: PluginManager) -> tuple[Summary, Path]:
+    config = resolved.config
+    job = config.job
+    run_id, run_dir = _run_dir(resolved)
+    token = secrets.token_urlsafe(32)
+    scheduler_backend = resolved.backends["scheduler"]
+    scheduler = scheduler_backend.record.factory(scheduler_backend.options)
+    spec = JobSpec(
+        job=job.name,
+        run_id=run_id,
+        run_dir=str(run_dir),
+        command=job.command,
+        workdir=str(job.workdir.absolute()),
+        env=job.env,
+        procs_per_node=job.procs_per_node,
+        max_restarts=job.max_restarts,
+        heartbeat_interval=config.master.heartbeat_interval,
+        heartbeat_timeout=config.master.heartbeat_timeout,
+        stop_grace=job.stop_grace,
+        preload=job.preload,
+        chaos=config.chaos,
+    )
+
+    def observe(event: JobEvent) -> None:
+        _print_event(event)
+        manager.emit(event)
+
+    placeholder = LaunchSpec(job=job.name, command=())
+    settings = JobSettings(
+        spec=spec,
+        min_nodes=job.nodes.min,
+        max_nodes=job.nodes.max,
+        node_unit=job.node_unit,
+        join_grace=config.rendezvous.join_grace,
+        join_timeout=config.rendezvous.join_timeout,
+        launch=placeholder,
+    )
+    master = Master(settings, scheduler, run_dir, observe)
+    app_ = make_app(master, token, hold=config.master.heartbeat_interval)
+    runner, port = await serve(app_, config.master.host, config.master.port)
+    advertise = config.master.advertise or config.master.host
+    url = f"http://{advertise}:{port}"
+    master.settings = JobSettings(
+        **{
+            **settings.__dict__,
+            "launch": LaunchSpec(
+                job=job.name,
+                command=(sys.executable, "-m", "planaria", "agent"),
+                env={MASTER_ENV: url, TOKEN_ENV: token},
+                log_dir=run_dir / "logs" / "agents",
+            ),
+        }
+    )
+    out.print(f"planaria: job {job.name} (run {run_id}), master at {url}")
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, master.fail, f"interrupted by {signal.Signals(sig).name}")
+    try:
+        if out.is_terminal:
+            with Live(_status_table(master), console=out, refresh_per_second=4) as live:
+                task = asyncio.ensure_future(master.run())
+                while not task.done():
+                    live.update(_status_table(master))
+                    await asyncio.wait({task}, timeout=0.25)
+                summary = task.result()
+        else:
+            summary = await master.run()
+    finally:
+        await runner.cleanup()
+        master.timeline.close()
+    return summary, run_dir
+
+
+Command = Annotated[
+    Optional[list[str]],  # noqa: UP045
+    typer.Argument(
+        help="the training command (after --), overriding job.command", show_default=False
+    ),
+]
+ChaosOption = Annotated[
+    Optional[list[str]],  # noqa: UP045
+    typer.Option(
+        "--chaos",
+        metavar="RULE",
+        help='inject a fault, e.g. --chaos "kill_worker rank=1 at_step=20" (repeatable)',
+        show_default=False,
+    ),
+]
+
+
+@app.command("run")
+def run_command(
+    file: Annotated[Path, typer.Argument(help="job config file (YAML or TOML)")],
+    command: Command = None,
+    set_: SetOption = None,
+    chaos: ChaosOption = None,
+) -> None:
+    """Run a training job: master, nodes, rendezvous, supervision and recovery.
+
+    Exit 0 only if the training command succeeded.
+    """
+    resolved, manager = _prepare(file, set_ or [], chaos or [], command or [])
+    summary, run_dir = asyncio.run(_run(resolved, manager))
+    print_summary(summary, run_dir)
+    if summary.state != JobState.SUCCEEDED.value:
+        raise SystemExit(1)
+
+
+@app.command("agent", hidden=True)
+def agent_command(
+    master: Annotated[Optional[str], typer.Option(envvar=MASTER_ENV)] = None,  # noqa: UP045
+    node_id: Annotated[Optional[str], typer.Option(envvar="PLANARIA_NODE_ID")] = None,  # noqa: UP045
+    host: Annotated[Optional[str], typer.Option(envvar="PLANARIA_HOST")] = None,  # noqa: UP045
+) -> None:
+    """Run this node's agent (started by the scheduler; the token comes in PLANARIA_TOKEN)."""
+    from planaria.agent.main import main as agent_main
+
+    token = os.environ.get(TOKEN_ENV)
+    if not master or not token or not node_id:
+        error(f"the agent needs {MASTER_ENV}, {TOKEN_ENV} and PLANARIA_NODE_ID")
+        raise SystemExit(2)
+    log.bind(component="agent")
+    raise SystemExit(asyncio.run(agent_main(master, token, node_id, host or node_id)))

@@ -1,0 +1,488 @@
+"""The master's job logic: nodes, rounds, restart budget and fault policy.
+
+All state lives on one asyncio loop, so handlers and the ticker never race. Scheduler calls
+run on one dedicated thread (a local scheduler's child processes are tied to the thread that
+started them), never on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from planaria.events import EventKind, JobEvent
+from planaria.log import get_logger
+from planaria.master.rounds import Rounds
+from planaria.master.timeline import Fault, Summary, Timeline
+from planaria.protocol import (
+    Action,
+    ChaosReport,
+    Heartbeat,
+    JobSpec,
+    JobStatus,
+    JoinReply,
+    JoinRequest,
+    NodeStatus,
+    RegisterRequest,
+    WorkersReport,
+)
+from planaria.scheduler import LaunchSpec, NodeEvent, NodeState, Scheduler
+
+log = get_logger("master")
+
+TICK = 0.05
+
+
+class JobState(str, Enum):
+    STARTING = "starting"
+    RENDEZVOUS = "rendezvous"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED)
+
+
+class NodePhase(str, Enum):
+    LAUNCHED = "launched"
+    REGISTERED = "registered"
+    JOINED = "joined"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STANDBY = "standby"
+    LOST = "lost"
+    EXITED = "exited"
+
+    @property
+    def gone(self) -> bool:
+        return self in (NodePhase.LOST, NodePhase.EXITED)
+
+
+@dataclass
+class Node:
+    node_id: str
+    host: str
+    phase: NodePhase = NodePhase.LAUNCHED
+    addr: str = ""
+    last_seen: float = field(default_factory=time.time)
+    action: Action | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    step: int = -1
+    round: int = 0
+
+    def send(self, action: Action) -> None:
+        self.action = action
+        self.wake.set()
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    spec: JobSpec
+    min_nodes: int
+    max_nodes: int
+    node_unit: int
+    join_grace: float
+    join_timeout: float
+    launch: LaunchSpec
+
+
+class Master:
+    def __init__(
+        self,
+        settings: JobSettings,
+        scheduler: Scheduler[Any],
+        run_dir: Path,
+        observer: Any = None,
+    ) -> None:
+        self.settings = settings
+        self.spec = settings.spec
+        self.scheduler = scheduler
+        self.run_dir = run_dir
+        self.state = JobState.STARTING
+        self.reason = ""
+        self.restarts = 0
+        self.nodes: dict[str, Node] = {}
+        self.faults: list[Fault] = []
+        self.rounds = Rounds(
+            min_nodes=settings.min_nodes,
+            max_nodes=settings.max_nodes,
+            node_unit=settings.node_unit,
+            join_grace=settings.join_grace,
+            procs_per_node=self.spec.procs_per_node,
+        )
+        self.timeline = Timeline(run_dir / "events.jsonl", self.spec.job, observer or _ignore)
+        self.started = time.time()
+        self.first_step_at: float | None = None
+        self.finished_at: float | None = None
+        self._round_settled = asyncio.Event()
+        """Set when the forming round closes, is superseded or the job ends."""
+        self.done = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scheduler")
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- scheduler ------------------------------------------------------------------------
+
+    async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+
+    async def launch(self) -> None:
+        handles = await self._call(
+            self.scheduler.launch, self.settings.launch, self.settings.max_nodes
+        )
+        for handle in handles:
+            self.nodes[handle.node_id] = Node(handle.node_id, handle.host)
+        self._open_round()
+        self.timeline.emit(
+            EventKind.JOB_STARTED,
+            f"job {self.spec.job} started: {len(handles)} node(s) requested",
+            run_id=self.spec.run_id,
+            nodes=[h.node_id for h in handles],
+        )
+
+    def _on_node_event(self, event: NodeEvent) -> None:
+        node = self.nodes.get(event.node_id)
+        if node is None or node.phase.gone:
+            return
+        if event.state in (NodeState.PENDING, NodeState.RUNNING):
+            return
+        if self.state.terminal:
+            node.phase = NodePhase.EXITED
+            return
+        reason = event.reason or event.state.value
+        self._node_lost(node, f"agent process ended: {reason}")
+
+    # -- handlers (called by the HTTP server) ----------------------------------------------
+
+    def register(self, request: RegisterRequest) -> JobSpec:
+        node = self.nodes.get(request.node_id)
+        if node is None:  # an agent the scheduler did not report, e.g. started by hand
+            node = self.nodes[request.node_id] = Node(request.node_id, request.host)
+        node.addr = request.addr
+        node.phase = NodePhase.REGISTERED
+        node.last_seen = time.time()
+        log.info("node registered", node=request.node_id, host=request.host, pid=request.pid)
+        return self.spec
+
+    async def join(self, request: JoinRequest, wait: float = 5.0) -> JoinReply:
+        node = self._touch(request.node_id)
+        if self.state.terminal or node.phase.gone:
+            return JoinReply(state="exit", reason=self.reason or "the job is over")
+        if self.rounds.closed and request.node_id in self.rounds.world:
+            return self._ready(request.node_id)
+        if self.rounds.closed:
+            node.phase = NodePhase.STANDBY
+            await asyncio.sleep(min(wait, 1.0))
+            return JoinReply(state="wait", reason="the running world is full; standing by")
+        self.rounds.join(request.node_id, request.addr, request.port, time.time())
+        node.phase = NodePhase.JOINED
+        self._maybe_close()
+        round_now, settled = self.rounds.round, self._round_settled
+        try:
+            await asyncio.wait_for(settled.wait(), timeout=wait)
+        except asyncio.TimeoutError:
+            return JoinReply(state="wait", reason=f"round {round_now} still forming")
+        if self.state.terminal:
+            return JoinReply(state="exit", reason=self.reason)
+        if self.rounds.round == round_now and request.node_id in self.rounds.world:
+            return self._ready(request.node_id)
+        return JoinReply(state="wait", reason="standing by, or a newer round opened")
+
+    def _ready(self, node_id: str) -> JoinReply:
+        node = self.nodes[node_id]
+        node.phase = NodePhase.RUNNING
+        node.round = self.rounds.round
+        node.step = -1
+        return JoinReply(
+            state="ready", info=self.rounds.world[node_id], restart_count=self.restarts
+        )
+
+    async def heartbeat(self, beat: Heartbeat, hold: float) -> Action:
+        node = self._touch(beat.node_id)
+        if beat.progress:
+            node.step = max(p.step for p in beat.progress)
+        if beat.first_step_time is not None and beat.round == self.rounds.round:
+            self._first_step(node, beat)
+        if not beat.wait:  # a progress update: the node's long poll collects actions
+            return Action(kind="none", round=self.rounds.round)
+        if node.action is None and not self.state.terminal:
+            node.wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(node.wake.wait(), timeout=hold)
+        action, node.action = node.action, None
+        if action is None and self.state.terminal:
+            action = Action(kind="exit", reason=self.reason)
+        return action or Action(kind="none", round=self.rounds.round)
+
+    def workers_report(self, report: WorkersReport) -> None:
+        node = self._touch(report.node_id)
+        node.step = max(node.step, report.last_step)
+        if report.round != self.rounds.round or self.state is not JobState.RUNNING:
+            log.info("stale workers report ignored", node=node.node_id, round=report.round)
+            return
+        if report.succeeded:
+            node.phase = NodePhase.SUCCEEDED
+            world = self.rounds.world
+            if all(self.nodes[n].phase is NodePhase.SUCCEEDED for n in world):
+                self._finish(JobState.SUCCEEDED, "the training command succeeded on every node")
+            return
+        failure = report.failure
+        assert failure is not None
+        node.phase = NodePhase.FAILED
+        fault = Fault(
+            kind="worker_failed",
+            node=node.node_id,
+            rank=failure.rank,
+            detail=f"rank {failure.rank} (node {node.node_id}) {failure.description}",
+            time=failure.time,
+            action="restart workers in place",
+            last_step=report.last_step,
+        )
+        self.timeline.emit(
+            EventKind.FAULT_DETECTED,
+            fault.detail,
+            node=node.node_id,
+            rank=failure.rank,
+            fault="worker_failed",
+            exitcode=failure.exitcode,
+            signal=failure.signal,
+            log_tail=failure.log_tail,
+        )
+        self._restart(fault)
+
+    def chaos(self, report: ChaosReport) -> None:
+        self.timeline.emit(
+            EventKind.FAULT_DETECTED,
+            f"chaos: {report.rule.kind} on node {report.node_id}",
+            node=report.node_id,
+            fault="chaos",
+            rule=report.rule.model_dump(mode="json"),
+        )
+
+    def status(self) -> JobStatus:
+        rank_of = {n: i.node_rank for n, i in self.rounds.world.items()}
+        return JobStatus(
+            job=self.spec.job,
+            run_id=self.spec.run_id,
+            state=self.state.value,
+            round=self.rounds.round,
+            restarts=self.restarts,
+            max_restarts=self.spec.max_restarts,
+            step=max((n.step for n in self.nodes.values() if n.node_id in rank_of), default=-1),
+            nodes=[
+                NodeStatus(
+                    node_id=n.node_id,
+                    host=n.host,
+                    state=n.phase.value,
+                    node_rank=rank_of.get(n.node_id),
+                    step=n.step,
+                )
+                for n in self.nodes.values()
+            ],
+            reason=self.reason,
+        )
+
+    # -- policy ---------------------------------------------------------------------------
+
+    def _touch(self, node_id: str) -> Node:
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise KeyError(node_id)
+        node.last_seen = time.time()
+        return node
+
+    def _first_step(self, node: Node, beat: Heartbeat) -> None:
+        info = self.rounds.world.get(node.node_id)
+        if info is None or info.node_rank != 0 or beat.first_step_time is None:
+            return
+        if self.first_step_at is None:
+            self.first_step_at = beat.first_step_time
+        first = min((p.step for p in beat.progress), default=None)
+        for fault in self.faults:
+            if fault.restart_round == beat.round and fault.recovered_at is None:
+                fault.recovered_at = beat.first_step_time
+                fault.first_step_after = first
+                self.timeline.emit(
+                    EventKind.WORKERS_RESTARTED,
+                    f"recovered from {fault.kind} in {fault.recovery_s:.2f}s",
+                    node=fault.node,
+                    recovery_s=fault.recovery_s,
+                    steps_lost=fault.steps_lost,
+                    round=beat.round,
+                )
+
+    def _restart(self, fault: Fault) -> None:
+        self.faults.append(fault)
+        if self.restarts >= self.spec.max_restarts:
+            fault.action = "stop: restart budget spent"
+            self._finish(
+                JobState.FAILED,
+                f"restart budget spent ({self.restarts} of {self.spec.max_restarts} restarts "
+                f"used); last fault: {fault.detail}",
+            )
+            return
+        self.restarts += 1
+        round_now = self._open_round()
+        fault.restart_round = round_now
+        for node in self.nodes.values():
+            if not node.phase.gone and node.phase is not NodePhase.LAUNCHED:
+                node.send(Action(kind="restart", round=round_now, reason=fault.detail))
+        self.timeline.emit(
+            EventKind.WORKERS_RESTARTED,
+            f"restart {self.restarts}/{self.spec.max_restarts}: {fault.action} "
+            f"after {fault.detail}",
+            round=round_now,
+            restart=self.restarts,
+        )
+
+    def _node_lost(self, node: Node, why: str) -> None:
+        in_world = node.node_id in self.rounds.world
+        node.phase = NodePhase.LOST
+        self.rounds.leave(node.node_id)
+        fault = Fault(
+            kind="node_lost",
+            node=node.node_id,
+            detail=f"node {node.node_id} ({node.host}) lost: {why}",
+            time=time.time(),
+            action="replace the node",
+            last_step=node.step,
+        )
+        self.timeline.emit(
+            EventKind.FAULT_DETECTED, fault.detail, node=node.node_id, fault="node_lost"
+        )
+        task = asyncio.get_running_loop().create_task(self._replace(node))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        if in_world and self.state is JobState.RUNNING:
+            self._restart(fault)
+        else:
+            self.faults.append(fault)
+
+    async def _replace(self, node: Node) -> None:
+        try:
+            handle = await self._call(self.scheduler.replace, node.node_id, exclude_host=False)
+        except Exception as exc:
+            log.warning("node replacement failed", node=node.node_id, error=str(exc))
+            self.timeline.emit(
+                EventKind.NODE_REPLACED,
+                f"replacing {node.node_id} failed: {exc}",
+                node=node.node_id,
+                ok=False,
+            )
+            return
+        if self.state.terminal:
+            return
+        self.nodes[handle.node_id] = Node(handle.node_id, handle.host)
+        self.timeline.emit(
+            EventKind.NODE_REPLACED,
+            f"node {node.node_id} replaced by {handle.node_id} on {handle.host}",
+            node=node.node_id,
+            replacement=handle.node_id,
+        )
+
+    def _open_round(self) -> int:
+        self._round_settled.set()  # waiters of the old round re-join the new one
+        self._round_settled = asyncio.Event()
+        self.state = JobState.RENDEZVOUS
+        return self.rounds.open(time.time())
+
+    def _maybe_close(self) -> None:
+        if self.state is not JobState.RENDEZVOUS or self.rounds.closed:
+            return
+        now = time.time()
+        expected = {n.node_id for n in self.nodes.values() if not n.phase.gone}
+        if self.rounds.ready(expected, now):
+            world = self.rounds.close()
+            self.state = JobState.RUNNING
+            self._round_settled.set()
+            ranks = {n: i.node_rank for n, i in world.items()}
+            self.timeline.emit(
+                EventKind.RENDEZVOUS_COMPLETED,
+                f"round {self.rounds.round}: {len(world)} node(s), "
+                f"world size {next(iter(world.values())).world_size}",
+                round=self.rounds.round,
+                ranks=ranks,
+            )
+        elif now - self.rounds.opened_at > self.settings.join_timeout:
+            self._finish(
+                JobState.FAILED,
+                f"rendezvous timed out: {self.rounds.joined} node(s) joined round "
+                f"{self.rounds.round} within {self.settings.join_timeout:g}s, at least "
+                f"{self.settings.min_nodes} needed",
+            )
+
+    def _finish(self, state: JobState, reason: str) -> None:
+        if self.state.terminal:
+            return
+        self.state = state
+        self.reason = reason
+        self.finished_at = time.time()
+        self._round_settled.set()
+        for node in self.nodes.values():
+            node.send(Action(kind="exit", reason=reason))
+        kind = EventKind.JOB_FINISHED if state is JobState.SUCCEEDED else EventKind.JOB_STOPPED
+        self.timeline.emit(kind, reason, state=state.value)
+
+    def fail(self, reason: str) -> None:
+        self._finish(JobState.FAILED, reason)
+
+    # -- main loop ------------------------------------------------------------------------
+
+    async def run(self) -> Summary:
+        await self.launch()
+        exit_deadline: float | None = None
+        while True:
+            await asyncio.sleep(TICK)
+            now = time.time()
+            for event in await self._call(self.scheduler.poll, 0.0):
+                self._on_node_event(event)
+            if not self.state.terminal:
+                for node in list(self.nodes.values()):
+                    late = now - node.last_seen > self.spec.heartbeat_timeout
+                    if late and node.phase not in (NodePhase.LAUNCHED,) and not node.phase.gone:
+                        self._node_lost(node, f"no heartbeat for {self.spec.heartbeat_timeout:g}s")
+                    elif (
+                        late
+                        and node.phase is NodePhase.LAUNCHED
+                        and now - self.started > self.settings.join_timeout
+                    ):
+                        self._node_lost(node, "never registered")
+                self._maybe_close()
+                continue
+            if exit_deadline is None:
+                exit_deadline = now + self.spec.stop_grace + self.spec.heartbeat_interval + 2.0
+            if all(n.phase.gone for n in self.nodes.values()) or now > exit_deadline:
+                break
+        await self._call(self.scheduler.stop, None)
+        self._executor.shutdown(wait=True)
+        self.done.set()
+        return self.summary()
+
+    def summary(self) -> Summary:
+        end = self.finished_at or time.time()
+        startup = None if self.first_step_at is None else self.first_step_at - self.started
+        downtime = sum(f.recovery_s or 0.0 for f in self.faults)
+        steps = max((n.step for n in self.nodes.values()), default=-1) + 1
+        return Summary(
+            state=self.state.value,
+            reason=self.reason,
+            steps=steps,
+            wall_s=end - self.started,
+            startup_s=startup,
+            downtime_s=downtime,
+            restarts=self.restarts,
+            faults=list(self.faults),
+        )
+
+
+def _ignore(event: JobEvent) -> None:
+    pass

@@ -1,0 +1,122 @@
+"""Rendezvous rounds, as the master keeps them. Pure logic with an explicit clock: no I/O.
+
+A round closes when ``max`` nodes joined; or when every node the master still expects has
+joined and at least ``min`` did; or when at least ``min`` joined and nobody came for
+``join_grace``. The world is cut to a multiple of ``node_unit``; nodes beyond it stand by for the
+next round. Nodes that stay keep their node rank where they can; newcomers fill the holes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Set
+from dataclasses import dataclass
+
+from planaria.rendezvous import RendezvousInfo
+
+
+@dataclass
+class _Joiner:
+    node_id: str
+    addr: str
+    port: int
+    since: float
+
+
+class Rounds:
+    def __init__(
+        self,
+        *,
+        min_nodes: int,
+        max_nodes: int,
+        node_unit: int,
+        join_grace: float,
+        procs_per_node: int,
+    ) -> None:
+        self.min_nodes = min_nodes
+        self.max_nodes = max_nodes
+        self.node_unit = node_unit
+        self.join_grace = join_grace
+        self.procs_per_node = procs_per_node
+        self.round = 0
+        """The round now forming (or, once closed, the one running)."""
+        self.closed = False
+        self.world: dict[str, RendezvousInfo] = {}
+        self._joiners: dict[str, _Joiner] = {}
+        self._ranks: dict[str, int] = {}
+        self._last_join = 0.0
+        self.opened_at = 0.0
+
+    def open(self, now: float) -> int:
+        """Start forming the next round; the running world is dissolved."""
+        self.round += 1
+        self.closed = False
+        self.world = {}
+        self._joiners = {}
+        self.opened_at = now
+        self._last_join = now
+        return self.round
+
+    def join(self, node_id: str, addr: str, port: int, now: float) -> None:
+        if self.closed:
+            raise RuntimeError("join() on a closed round: open() the next one first")
+        if node_id not in self._joiners:
+            self._last_join = now
+        self._joiners[node_id] = _Joiner(node_id, addr, port, now)
+
+    def leave(self, node_id: str) -> None:
+        """A node is gone: it no longer counts toward this round, and loses its rank."""
+        self._joiners.pop(node_id, None)
+        self._ranks.pop(node_id, None)
+
+    @property
+    def joined(self) -> int:
+        return len(self._joiners)
+
+    def _world_size(self) -> int:
+        return min(self.joined, self.max_nodes) // self.node_unit * self.node_unit
+
+    def ready(self, expected: Set[str], now: float) -> bool:
+        """Whether the round can close now. ``expected``: nodes alive or on their way."""
+        size = self._world_size()
+        if self.closed or size < self.min_nodes or size == 0:
+            return False
+        if self.joined >= self.max_nodes:
+            return True
+        if expected <= self._joiners.keys():
+            return True
+        return now - self._last_join >= self.join_grace
+
+    def close(self) -> dict[str, RendezvousInfo]:
+        """Form the world: ranks, and torch.distributed's address from the node of rank 0."""
+        size = self._world_size()
+        joiners = sorted(self._joiners.values(), key=lambda j: j.since)
+        # Nodes that had a rank keep it if it still fits; the others fill the free ranks.
+        keep = {
+            j.node_id: self._ranks[j.node_id]
+            for j in joiners
+            if self._ranks.get(j.node_id, size) < size
+        }
+        members = [j for j in joiners if j.node_id in keep]
+        members += [j for j in joiners if j.node_id not in keep][: size - len(members)]
+        free = iter(sorted(set(range(size)) - set(keep.values())))
+        ranks = {j.node_id: keep[j.node_id] if j.node_id in keep else next(free) for j in members}
+        leader = next(j for j in members if ranks[j.node_id] == 0)
+        self._ranks = dict(ranks)
+        self.world = {
+            j.node_id: RendezvousInfo(
+                round=self.round,
+                node_rank=ranks[j.node_id],
+                num_nodes=size,
+                rank_offset=ranks[j.node_id] * self.procs_per_node,
+                world_size=size * self.procs_per_node,
+                master_addr=leader.addr,
+                master_port=leader.port,
+            )
+            for j in members
+        }
+        self.closed = True
+        return self.world
+
+    def standby(self) -> list[str]:
+        """Nodes that joined but did not fit in the closed world."""
+        return [n for n in self._joiners if n not in self.world]

@@ -1,0 +1,80 @@
+"""The job's record: every event as one JSON line, each fault with its recovery, the summary."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from planaria.events import EventKind, JobEvent
+
+
+@dataclass
+class Fault:
+    """One fault and what became of it. ``recovery_s`` runs from the fault to the first step
+    the restarted job completed."""
+
+    kind: str
+    node: str
+    detail: str
+    time: float
+    action: str
+    rank: int | None = None
+    last_step: int = -1
+    restart_round: int | None = None
+    recovered_at: float | None = None
+    first_step_after: int | None = None
+
+    @property
+    def recovery_s(self) -> float | None:
+        return None if self.recovered_at is None else max(0.0, self.recovered_at - self.time)
+
+    @property
+    def steps_lost(self) -> int | None:
+        if self.first_step_after is None or self.last_step < 0:
+            return None
+        return max(0, self.last_step - self.first_step_after + 1)
+
+
+@dataclass
+class Summary:
+    state: str
+    reason: str
+    steps: int
+    wall_s: float
+    startup_s: float | None
+    downtime_s: float
+    restarts: int
+    faults: list[Fault] = field(default_factory=list)
+
+    @property
+    def goodput(self) -> float:
+        """Productive time over wall time: what was not start-up nor recovery."""
+        if self.wall_s <= 0:
+            return 0.0
+        lost = (self.startup_s or 0.0) + self.downtime_s
+        return max(0.0, min(1.0, (self.wall_s - lost) / self.wall_s))
+
+
+class Timeline:
+    """Appends events to ``events.jsonl`` (0600) and hands each to ``observer``."""
+
+    def __init__(self, path: Path, job: str, observer: Callable[[JobEvent], None]) -> None:
+        self.path = path
+        self.job = job
+        self.observer = observer
+        self.events: list[JobEvent] = []
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._file = os.fdopen(fd, "a", buffering=1, encoding="utf-8")
+
+    def emit(self, kind: EventKind, message: str, **fields: object) -> JobEvent:
+        known = {k: fields.pop(k) for k in ("node", "rank", "step") if k in fields}
+        event = JobEvent(kind=kind, job=self.job, message=message, data=fields, **known)
+        self.events.append(event)
+        self._file.write(event.model_dump_json() + "\n")
+        self.observer(event)
+        return event
+
+    def close(self) -> None:
+        self._file.close()

@@ -1,0 +1,73 @@
+"""The progress board: how workers tell their agent which step they reached, for free.
+
+The agent creates one small file in /dev/shm per node (mode 0600) with one slot per local rank;
+each worker maps it and writes its slot on every step (no system call, no lock: one writer per
+slot). The agent reads the slots to show progress, to detect hangs and to time recovery.
+
+Slot layout (little endian, 32 bytes): step (int64), wall time of that step (float64),
+pid (int64), reserved (int64). A step of -1 means "no step yet".
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+SLOT = struct.Struct("<qdqq")
+ENV = "PLANARIA_PROGRESS_FILE"
+
+
+@dataclass(frozen=True)
+class Progress:
+    step: int
+    time: float
+    pid: int
+
+
+class ProgressBoard:
+    """The agent's side: create, reset and read the slots."""
+
+    def __init__(self, path: Path, slots: int) -> None:
+        self.path = path
+        self.slots = slots
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, SLOT.size * slots)
+            self._map = mmap.mmap(fd, SLOT.size * slots)
+        finally:
+            os.close(fd)
+        self.reset()
+
+    def reset(self) -> None:
+        for slot in range(self.slots):
+            SLOT.pack_into(self._map, slot * SLOT.size, -1, 0.0, 0, 0)
+
+    def read(self, slot: int) -> Progress:
+        step, when, pid, _ = SLOT.unpack_from(self._map, slot * SLOT.size)
+        return Progress(step, when, pid)
+
+    def read_all(self) -> list[Progress]:
+        return [self.read(slot) for slot in range(self.slots)]
+
+    def close(self) -> None:
+        self._map.close()
+        self.path.unlink(missing_ok=True)
+
+
+class ProgressSlot:
+    """A worker's side: its one slot."""
+
+    def __init__(self, path: str, slot: int) -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, SLOT.size * (slot + 1))
+        finally:
+            os.close(fd)
+        self._offset = slot * SLOT.size
+        self._pid = os.getpid()
+
+    def write(self, step: int, when: float) -> None:
+        SLOT.pack_into(self._map, self._offset, step, when, self._pid, 0)

@@ -1,0 +1,150 @@
+"""The wire format between agents and the master: JSON of these models under ``/v1``.
+
+Versioned by path: a change that old agents cannot read gets a new prefix. Never pickle.
+Every request carries the job's token (``Authorization: Bearer ...``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from planaria.chaos import ChaosRule
+from planaria.rendezvous import RendezvousInfo
+
+API_PREFIX = "/v1"
+TOKEN_ENV = "PLANARIA_TOKEN"
+MASTER_ENV = "PLANARIA_MASTER"
+NODE_ID_ENV = "PLANARIA_NODE_ID"
+HOST_ENV = "PLANARIA_HOST"
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class JobSpec(Message):
+    """What every agent needs to run its part of the job; sent on registration."""
+
+    job: str
+    run_id: str
+    run_dir: str
+    command: list[str]
+    workdir: str
+    env: dict[str, str]
+    procs_per_node: int
+    max_restarts: int
+    heartbeat_interval: float
+    heartbeat_timeout: float
+    stop_grace: float
+    preload: list[str]
+    chaos: list[ChaosRule] = Field(default_factory=list)
+
+
+class RegisterRequest(Message):
+    node_id: str
+    host: str
+    addr: str
+    pid: int
+
+
+class RegisterReply(Message):
+    spec: JobSpec
+
+
+class JoinRequest(Message):
+    node_id: str
+    addr: str
+    """The address other nodes reach this one at (torch.distributed's MASTER_ADDR if rank 0)."""
+    port: int = Field(ge=1, le=65535)
+    """A port free on this host, offered for MASTER_PORT in case this node gets rank 0."""
+
+
+class JoinReply(Message):
+    state: Literal["ready", "wait", "exit"]
+    info: RendezvousInfo | None = None
+    restart_count: int = 0
+    reason: str = ""
+
+
+NodeActivity = Literal["idle", "running", "succeeded", "failed"]
+
+
+class RankProgress(Message):
+    local_rank: int
+    step: int
+    time: float
+
+
+class Heartbeat(Message):
+    node_id: str
+    round: int
+    activity: NodeActivity
+    progress: list[RankProgress] = Field(default_factory=list)
+    first_step_time: float | None = None
+    """When this node's first worker completed its first step in this round."""
+    wait: bool = True
+    """Hold the request until an action is due (long poll), or answer at once."""
+
+
+class Action(Message):
+    kind: Literal["none", "restart", "exit"]
+    round: int = 0
+    reason: str = ""
+
+
+class HeartbeatReply(Message):
+    action: Action
+
+
+class WorkerFailure(Message):
+    local_rank: int
+    rank: int
+    pid: int
+    exitcode: int | None
+    signal: int | None
+    time: float
+    log_tail: str
+    description: str
+
+
+class WorkersReport(Message):
+    """Sent when a node's workers all succeeded, or at the first failure."""
+
+    node_id: str
+    round: int
+    succeeded: bool
+    failure: WorkerFailure | None = None
+    last_step: int = -1
+    """The highest step any local worker completed in this round."""
+
+
+class ChaosReport(Message):
+    node_id: str
+    rule: ChaosRule
+    time: float
+
+
+class Ack(Message):
+    ok: bool = True
+
+
+class NodeStatus(Message):
+    node_id: str
+    host: str
+    state: str
+    node_rank: int | None
+    step: int
+
+
+class JobStatus(Message):
+    job: str
+    run_id: str
+    state: str
+    round: int
+    restarts: int
+    max_restarts: int
+    step: int
+    nodes: list[NodeStatus]
+    reason: str = ""

@@ -1,0 +1,1 @@
+"""Built-in rendezvous backends."""

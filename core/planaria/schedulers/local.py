@@ -1,0 +1,487 @@
+"""The ``local`` scheduler: every node is an agent process on this machine.
+
+Each node is one process running ``LaunchSpec.command`` in a session (and process group) of its
+own; the node *is* that group. When the agent ends, whatever it left in its group is killed, as
+if the machine had gone away, and :meth:`LocalScheduler.stop` signals the whole group.
+
+Nodes get virtual host names (``local-0``, ``local-1``, ...) so that host exclusion can be
+exercised on one machine: with ``hosts: 0`` every node has a host of its own, with ``hosts: N``
+nodes cycle through N names and excluded names are skipped.
+
+Threads: every node is started with ``PR_SET_PDEATHSIG=SIGKILL``, so the nodes die with the
+process that started them, even when it is killed with SIGKILL. Linux sends that signal when the
+*thread* that forked the node exits, not the process. Call :meth:`LocalScheduler.launch` and
+:meth:`LocalScheduler.replace` (the methods that start processes) from one long-lived thread,
+as the master does with its single-thread scheduler executor; a call from another thread raises
+:class:`~planaria.errors.SchedulerError` instead of leaving nodes tied to a short-lived thread.
+None of the methods is thread-safe.
+
+The death signal is set by a tiny trampoline (``python -I -S -c ...``) that calls ``prctl`` and
+then ``exec``s the command, so the pid the scheduler watches is the agent's own. A
+``preexec_fn`` would run Python code between ``fork`` and ``exec`` in a multi-threaded process,
+which can deadlock. Only the agent gets the death signal; the agent arranges the same for the
+workers it starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from planaria.durations import Duration
+from planaria.errors import SchedulerError
+from planaria.log import get_logger
+from planaria.plugin import hookimpl
+from planaria.plugin.records import SchedulerRecord
+from planaria.scheduler import LaunchSpec, NodeEvent, NodeHandle, NodeState, Scheduler
+
+log = get_logger("scheduler.local")
+
+# How often to look again where no file descriptor can wake us: a node without a pidfd (old
+# kernel) while polling, and a process group draining while stopping.
+_POLL_INTERVAL = 0.01
+_STOP_INTERVAL = 0.02
+# After SIGKILL a group's processes normally vanish within milliseconds; one stuck in the kernel
+# (uninterruptible I/O) is reported rather than waited for forever.
+_KILL_WAIT = 5.0
+
+# Runs in the child: set the death signal, make sure the parent did not die before it was set,
+# then become the agent. argv: ["-c", parent pid, command...].
+_TRAMPOLINE = """\
+import os, sys
+try:
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+except Exception:
+    pass
+if os.getppid() != int(sys.argv[1]):
+    os.kill(os.getpid(), 9)
+try:
+    os.execvp(sys.argv[2], sys.argv[2:])
+except OSError as error:
+    sys.stderr.write("planaria: cannot run %r: %s\\n" % (sys.argv[2], error))
+    sys.stderr.flush()
+    os._exit(127)
+"""
+
+
+class LocalOptions(BaseModel):
+    """Options of the ``local`` scheduler."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    hosts: int = Field(
+        default=0,
+        ge=0,
+        description="number of virtual host names nodes cycle through (local-0, local-1, ...); "
+        "0 gives every node a host of its own",
+    )
+    stop_grace: Duration = Field(
+        default=5.0,
+        description="time a node's processes get to exit after SIGTERM before SIGKILL",
+    )
+
+
+@dataclass(eq=False)
+class _Node:
+    node_id: str
+    host: str
+    spec: LaunchSpec
+    proc: subprocess.Popen[bytes]
+    pidfd: int | None
+    state: NodeState = NodeState.RUNNING
+    released: bool = False
+    """Stopped or replaced: the caller let go of it and hears nothing more about it."""
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def reaped(self) -> bool:
+        return self.proc.returncode is not None
+
+    def close_pidfd(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+def _open_pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):  # not Linux, or a kernel older than 5.3
+        return None
+
+
+class _ReapedElsewhere(Exception):
+    """Our child was reaped by someone else (a ``waitpid(-1)`` elsewhere in this process, or
+    SIGCHLD set to SIG_IGN): its exit status is lost and its pid may already be reused."""
+
+
+def _has_exited(pid: int) -> bool:
+    """Whether our child ``pid`` has exited, without reaping it: while it is an unreaped zombie
+    its pid, which is also its process group's id, cannot be reused, so the group can still be
+    signalled safely."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        raise _ReapedElsewhere from None
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _live_groups(pgids: set[int]) -> set[int] | None:
+    """Which of ``pgids`` still have a live (non-zombie) process, from /proc; ``None`` where
+    /proc cannot be read."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    live: set[int] = set()
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # it exited meanwhile
+            continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) < 3 or fields[0] in (b"Z", b"X", b"x"):
+            continue
+        pgrp = int(fields[2])
+        if pgrp in pgids:
+            live.add(pgrp)
+    return live
+
+
+def _exit_event(node_id: str, returncode: int) -> NodeEvent:
+    if returncode == 0:
+        return NodeEvent(node_id=node_id, state=NodeState.SUCCEEDED)
+    if returncode > 0:
+        return NodeEvent(node_id=node_id, state=NodeState.FAILED, reason=f"exit code {returncode}")
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return NodeEvent(node_id=node_id, state=NodeState.LOST, reason=f"killed by {name}")
+
+
+def _open_log(log_dir: Path, node_id: str) -> int:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / f"{node_id}.log"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # also when the file existed, or the umask was unusual
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+class LocalScheduler(Scheduler[LocalOptions]):
+    """Nodes are agent processes on this machine (see the module docstring)."""
+
+    name = "local"
+
+    def __init__(self, options: LocalOptions) -> None:
+        super().__init__(options)
+        self._nodes: dict[str, _Node] = {}
+        self._events: list[NodeEvent] = []
+        self._excluded: set[str] = set()
+        self._next_number = 0
+        self._cursor = 0
+        self._owner: threading.Thread | None = None
+
+    # -- the Scheduler interface --------------------------------------------------------
+
+    def launch(self, spec: LaunchSpec, count: int) -> list[NodeHandle]:
+        """Start ``count`` nodes. Each is reported ``running`` by the next :meth:`poll`.
+
+        All or nothing: when one cannot be started, those started by this call are stopped.
+        """
+        if count < 0:
+            raise SchedulerError(f"cannot launch {count} nodes: the count must be 0 or more")
+        self._check_thread()
+        self._check_command(spec)
+        if count == 0:
+            return []
+        self._check_placeable(self._excluded, "cannot launch nodes")
+        started: list[_Node] = []
+        try:
+            for _ in range(count):
+                started.append(self._start(spec, self._choose_host(self._excluded)))
+        except BaseException:
+            self._release(started)
+            self._terminate(started, grace=0.0)
+            raise
+        return [self._handle(node) for node in started]
+
+    def poll(self, timeout: float) -> list[NodeEvent]:
+        """State changes since the last call, in the order seen; waits at most ``timeout``
+        seconds for the first. A node's exit is seen at once (through a pidfd)."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            self._reap()
+            if self._events:
+                events, self._events = self._events, []
+                return events
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return []
+            self._wait(remaining)
+
+    def replace(self, node_id: str, *, exclude_host: bool) -> NodeHandle:
+        """Stop ``node_id`` (gracefully, within ``stop_grace``) if it still runs and start a
+        node with a new id and the same spec. With ``exclude_host`` the old node's host is
+        excluded from now on. Raises :class:`SchedulerError`, changing nothing, when no host is
+        left to place the new node on."""
+        self._check_thread()
+        node = self._get(node_id)
+        if node.released:
+            raise SchedulerError(f"cannot replace {node_id}: it was already stopped or replaced")
+        avoid = self._excluded | {node.host} if exclude_host else self._excluded
+        self._check_placeable(avoid, f"cannot replace {node_id}")
+        if exclude_host:
+            self._excluded.add(node.host)
+        self._release([node])
+        self._terminate([node], grace=self.options.stop_grace)
+        new = self._start(node.spec, self._choose_host(avoid))
+        log.info("node replaced", node=node_id, replacement=new.node_id, host=new.host)
+        return self._handle(new)
+
+    def stop(self, node_ids: list[str] | None = None) -> None:
+        """SIGTERM each node's process group, SIGKILL whatever is left after ``stop_grace``,
+        and return once the processes are gone. Stopped nodes produce no further events.
+        Stopping a node again is a no-op; an id this scheduler never gave out is an error."""
+        if node_ids is None:
+            targets = list(self._nodes.values())
+        else:
+            targets = [self._get(node_id) for node_id in dict.fromkeys(node_ids)]
+        self._release(targets)
+        self._terminate(targets, grace=self.options.stop_grace)
+
+    def excluded_hosts(self) -> set[str]:
+        return set(self._excluded)
+
+    # -- placement ------------------------------------------------------------------------
+
+    def _hosts(self) -> list[str]:
+        return [f"local-{i}" for i in range(self.options.hosts)]
+
+    def _check_placeable(self, avoid: set[str], what: str) -> None:
+        hosts = self._hosts()
+        if hosts and all(host in avoid for host in hosts):
+            raise SchedulerError(
+                f"{what}: all {len(hosts)} local host(s) are excluded "
+                f"({', '.join(sorted(avoid & set(hosts)))}); raise the local scheduler's "
+                "`hosts` option to have more virtual hosts"
+            )
+
+    def _choose_host(self, avoid: set[str]) -> str:
+        hosts = self._hosts()
+        if not hosts:
+            return f"local-{self._next_number}"  # one host per node: never an excluded one
+        for _ in hosts:
+            host = hosts[self._cursor % len(hosts)]
+            self._cursor += 1
+            if host not in avoid:
+                return host
+        raise AssertionError("unreachable: _check_placeable was called first")
+
+    # -- processes ------------------------------------------------------------------------
+
+    def _check_thread(self) -> None:
+        current = threading.current_thread()
+        if self._owner is None:
+            self._owner = current
+        elif self._owner is not current:
+            what = (
+                "has exited, which killed the nodes it started"
+                if not self._owner.is_alive()
+                else "must stay the only one"
+            )
+            raise SchedulerError(
+                f"the local scheduler starts processes from one long-lived thread, because "
+                f"its nodes die when the thread that started them exits (PR_SET_PDEATHSIG): "
+                f"called from {current.name!r}, but {self._owner.name!r} {what}"
+            )
+
+    def _check_command(self, spec: LaunchSpec) -> None:
+        if not spec.command:
+            raise SchedulerError("cannot launch nodes: the launch command is empty")
+        path = {**os.environ, **spec.env}.get("PATH", os.defpath)
+        if shutil.which(spec.command[0], path=path) is None:
+            raise SchedulerError(
+                f"cannot launch nodes: {spec.command[0]!r} is not an executable file"
+                + ("" if os.sep in spec.command[0] else " found on PATH")
+            )
+
+    def _start(self, spec: LaunchSpec, host: str) -> _Node:
+        node_id = f"node-{self._next_number}"
+        env = {**os.environ, **spec.env, "PLANARIA_NODE_ID": node_id, "PLANARIA_HOST": host}
+        argv = [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), *spec.command]
+        try:
+            log_fd = None if spec.log_dir is None else _open_log(spec.log_dir, node_id)
+        except OSError as exc:
+            raise SchedulerError(
+                f"cannot open the log of {node_id} in {spec.log_dir}: {exc}"
+            ) from exc
+        try:
+            proc = subprocess.Popen(
+                argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log_fd,
+                stderr=log_fd,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise SchedulerError(f"cannot start {node_id} ({spec.command[0]}): {exc}") from exc
+        finally:
+            if log_fd is not None:
+                os.close(log_fd)
+        self._next_number += 1
+        node = _Node(node_id, host, spec, proc, _open_pidfd(proc.pid))
+        self._nodes[node_id] = node
+        # A local process runs as soon as it exists: the next poll reports it running.
+        self._events.append(NodeEvent(node_id=node_id, state=NodeState.RUNNING))
+        log.info("node started", node=node_id, host=host, pid=proc.pid)
+        return node
+
+    def _handle(self, node: _Node) -> NodeHandle:
+        return NodeHandle(node_id=node.node_id, host=node.host, state=NodeState.PENDING)
+
+    def _get(self, node_id: str) -> _Node:
+        node = self._nodes.get(node_id)
+        if node is None:
+            raise SchedulerError(f"unknown node {node_id!r}: this local scheduler never started it")
+        return node
+
+    def _release(self, nodes: Iterable[_Node]) -> None:
+        ids = set()
+        for node in nodes:
+            node.released = True
+            ids.add(node.node_id)
+        self._events = [e for e in self._events if e.node_id not in ids]
+
+    def _reap(self) -> None:
+        """Turn every exit of a watched node into an event."""
+        for node in self._nodes.values():
+            if node.released or node.reaped:
+                continue
+            try:
+                if not _has_exited(node.pid):
+                    continue
+            except _ReapedElsewhere:
+                self._forget(node)
+                event = NodeEvent(
+                    node_id=node.node_id,
+                    state=NodeState.LOST,
+                    reason="exit status unknown: the process was reaped outside the scheduler",
+                )
+            else:
+                # The agent is gone but not yet reaped, so its group id is still its own:
+                # whatever the agent left in its group goes with it, as with a lost machine.
+                _signal_group(node.pid, signal.SIGKILL)
+                self._collect(node)
+                event = _exit_event(node.node_id, node.proc.returncode)
+            node.state = event.state
+            self._events.append(event)
+            log.info("node exited", node=node.node_id, state=event.state.value, reason=event.reason)
+
+    def _collect(self, node: _Node) -> None:
+        node.proc.wait()
+        node.close_pidfd()
+
+    def _forget(self, node: _Node) -> None:
+        """Stop watching a node whose process was reaped by someone else."""
+        node.proc.returncode = -signal.SIGKILL
+        node.close_pidfd()
+
+    def _wait(self, remaining: float) -> None:
+        """Sleep until a watched node may have exited, at most ``remaining`` seconds."""
+        live = [n for n in self._nodes.values() if not n.released and not n.reaped]
+        fds = [n.pidfd for n in live if n.pidfd is not None]
+        if len(fds) < len(live):
+            remaining = min(remaining, _POLL_INTERVAL)
+        if not fds:
+            time.sleep(remaining)
+            return
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        # Rounded down, so that poll never waits past its deadline (it loops for the rest).
+        poller.poll(math.floor(remaining * 1000))
+
+    def _terminate(self, nodes: list[_Node], grace: float) -> None:
+        """SIGTERM the groups, SIGKILL them after ``grace``, reap the agents and wait until no
+        process of the groups is left. Only groups whose agent is still unreaped are
+        signalled: their id cannot belong to anyone else."""
+        nodes = [n for n in nodes if not n.reaped]
+        for node in list(nodes):
+            try:
+                _has_exited(node.pid)
+            except _ReapedElsewhere:  # its pid may be someone else's by now: never signal it
+                self._forget(node)
+                nodes.remove(node)
+        if not nodes:
+            return
+        pgids = {n.pid for n in nodes}
+        if grace > 0:
+            for node in nodes:
+                _signal_group(node.pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and self._any_alive(nodes, pgids):
+                time.sleep(_STOP_INTERVAL)
+        for node in nodes:
+            _signal_group(node.pid, signal.SIGKILL)
+        for node in nodes:
+            self._collect(node)
+            log.info("node stopped", node=node.node_id, returncode=node.proc.returncode)
+        # The agents are reaped; their orphans are being killed and reaped by init.
+        deadline = time.monotonic() + _KILL_WAIT
+        while (left := _live_groups(pgids)) and time.monotonic() < deadline:
+            time.sleep(_STOP_INTERVAL / 4)
+        if left:
+            log.warning(
+                "processes of stopped nodes survived SIGKILL",
+                nodes=[n.node_id for n in nodes if n.pid in left],
+            )
+
+    def _any_alive(self, nodes: list[_Node], pgids: set[int]) -> bool:
+        live = _live_groups(pgids)
+        if live is not None:
+            return bool(live)
+        try:  # no /proc: watch the agents only
+            return any(not _has_exited(n.pid) for n in nodes)
+        except _ReapedElsewhere:
+            return True  # the SIGKILL that follows is sent to unreaped groups only
+
+
+@hookimpl
+def planaria_schedulers() -> Iterable[SchedulerRecord]:
+    yield SchedulerRecord(
+        name="local",
+        factory=LocalScheduler,
+        options=LocalOptions,
+        summary="nodes are agent processes on this machine",
+    )
