@@ -35,8 +35,13 @@ def settings(tmp_path: Path, nodes: int = 2) -> JobSettings:
     # Stand-in agents that never call back: the test plays the agents over HTTP.
     idle = LaunchSpec(job="api", command=(sys.executable, "-c", "import time; time.sleep(60)"))
     return JobSettings(
-        spec=spec, min_nodes=nodes, max_nodes=nodes, node_unit=1, join_grace=5,
-        join_timeout=60, launch=idle,
+        spec=spec,
+        min_nodes=nodes,
+        max_nodes=nodes,
+        node_unit=1,
+        join_grace=5,
+        join_timeout=60,
+        launch=idle,
     )
 
 

@@ -10,7 +10,10 @@ from planaria.master.rounds import Rounds
 
 def rounds(min_nodes=2, max_nodes=4, unit=1, grace=10.0, procs=2) -> Rounds:
     r = Rounds(
-        min_nodes=min_nodes, max_nodes=max_nodes, node_unit=unit, join_grace=grace,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        node_unit=unit,
+        join_grace=grace,
         procs_per_node=procs,
     )
     r.open(0.0)
