@@ -476,3 +476,24 @@ def test_registered_through_the_entry_point(monkeypatch: pytest.MonkeyPatch) -> 
     assert record.factory is LocalScheduler
     assert record.options is LocalOptions
     assert record.summary == "nodes are agent processes on this machine"
+
+
+def test_nodes_beyond_the_slots_wait_pending_until_one_frees(harness: Harness) -> None:
+    scheduler = LocalScheduler(LocalOptions(slots=2, stop_grace=1))
+    try:
+        handles = scheduler.launch(harness.spec(SLEEP), 3)
+        assert [h.node_id for h in handles] == ["node-0", "node-1", "node-2"]
+        assert handles[2].host == ""
+        events = scheduler.poll(0.5)
+        assert {e.node_id for e in events if e.state is NodeState.RUNNING} == {"node-0", "node-1"}
+        assert scheduler.poll(0.2) == []  # node-2 still waits for a slot
+        scheduler.stop(["node-0"])
+        events = scheduler.poll(1.0)
+        assert [(e.node_id, e.state) for e in events] == [("node-2", NodeState.RUNNING)]
+        # Replacing a node that never started queues its successor instead.
+        scheduler.stop(["node-1"])
+        queued = scheduler.launch(harness.spec(SLEEP), 2)
+        new = scheduler.replace(queued[1].node_id, exclude_host=False)
+        assert new.state is NodeState.PENDING
+    finally:
+        scheduler.stop()

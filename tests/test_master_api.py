@@ -94,6 +94,13 @@ def test_bad_request_is_400_naming_the_field_and_unknown_node_404(tmp_path):
             assert any(p.startswith("port:") for p in reply["problems"])
         async with session.post(url + "/register", data=b"{not json", headers=AUTH) as r:
             assert r.status == 400
+        reg = {"node_id": "node-0", "host": "h", "addr": "127.0.0.1", "pid": 1}
+        async with session.post(url + "/register", json=reg, headers=AUTH) as r:
+            assert r.status == 200
+        nonsense = {"node_id": "node-0", "round": 1, "succeeded": False}
+        async with session.post(url + "/workers", json=nonsense, headers=AUTH) as r:
+            assert r.status == 400
+            assert "must name the failure" in (await r.json())["error"]
         beat = {"node_id": "ghost", "round": 1, "activity": "idle"}
         async with session.post(url + "/heartbeat", json=beat, headers=AUTH) as r:
             assert r.status == 404

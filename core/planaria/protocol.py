@@ -59,6 +59,8 @@ class JoinRequest(Message):
     """The address other nodes reach this one at (torch.distributed's MASTER_ADDR if rank 0)."""
     port: int = Field(ge=1, le=65535)
     """A port free on this host, offered for MASTER_PORT in case this node gets rank 0."""
+    last_step: int = -1
+    """The highest step this node's workers completed before this join (-1: none)."""
 
 
 class JoinReply(Message):
@@ -116,6 +118,8 @@ class WorkersReport(Message):
     round: int
     succeeded: bool
     failure: WorkerFailure | None = None
+    also: list[WorkerFailure] = Field(default_factory=list)
+    """Other workers of the node that failed on their own (not stopped by the agent)."""
     last_step: int = -1
     """The highest step any local worker completed in this round."""
 

@@ -17,7 +17,13 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from planaria.agent.client import MasterClient
-from planaria.agent.workers import GroupResult, WorkerGroup, WorkerLauncher, WorkerSpec
+from planaria.agent.workers import (
+    GroupResult,
+    WorkerExit,
+    WorkerGroup,
+    WorkerLauncher,
+    WorkerSpec,
+)
 from planaria.chaos import ENV as CHAOS_ENV
 from planaria.chaos import ChaosRule, worker_rules_env
 from planaria.log import bind, get_logger
@@ -133,7 +139,8 @@ class Agent:
     async def _join(self) -> RendezvousInfo | None:
         from planaria.errors import RendezvousClosedError
 
-        self.rdzv.offer(self.addr, free_port(self.addr))
+        last = max((p.step for p in self.board.read_all()), default=-1)
+        self.rdzv.offer(self.addr, free_port(self.addr), last)
         node = NodeInfo(
             node_id=self.node_id, host=self.host, local_world_size=self.spec.procs_per_node
         )
@@ -181,6 +188,7 @@ class Agent:
                     action = beating.result()
                     if action.kind in ("restart", "exit"):
                         await group.stop()
+                        await self._report_unreported(round_state, group.exits())
                         return action
                     beating = asyncio.ensure_future(self._heartbeats(round_state))
         finally:
@@ -191,20 +199,15 @@ class Agent:
     async def _report(self, state: _RoundState, result: GroupResult) -> None:
         state.reported = True
         state.activity = "succeeded" if result.succeeded else "failed"
-        failure = None
+        failures = [
+            self._failure(state, e)
+            for e in result.exits
+            if not e.ok and not e.stopped and e is not result.first_failure
+        ]
+        first = None
         if result.first_failure is not None:
-            f = result.first_failure
-            failure = WorkerFailure(
-                local_rank=f.local_rank,
-                rank=state.info.rank_offset + f.local_rank,
-                pid=f.pid,
-                exitcode=f.exitcode,
-                signal=f.signal,
-                time=f.time,
-                log_tail=f.log_tail,
-                description=f.describe(),
-            )
-            log.warning("worker failed", rank=failure.rank, reason=failure.description)
+            first = self._failure(state, result.first_failure)
+            log.warning("worker failed", rank=first.rank, reason=first.description)
         last = max((p.step for p in self.board.read_all()), default=-1)
         await self.client.call(
             "/workers",
@@ -212,10 +215,34 @@ class Agent:
                 node_id=self.node_id,
                 round=state.info.round,
                 succeeded=result.succeeded,
-                failure=failure,
+                failure=first,
+                also=failures,
                 last_step=last,
             ),
             Ack,
+        )
+
+    async def _report_unreported(self, state: _RoundState, exits: list[WorkerExit]) -> None:
+        """The master's action can overtake this node's own failure (a peer's report came
+        first): report what failed here anyway, so that the timeline keeps the root cause."""
+        if state.reported:
+            return
+        failed = [e for e in exits if not e.ok and not e.stopped]
+        if failed:
+            first, *others = sorted(failed, key=lambda e: e.time)
+            result = GroupResult(succeeded=False, first_failure=first, exits=[first, *others])
+            await self._report(state, result)
+
+    def _failure(self, state: _RoundState, f: WorkerExit) -> WorkerFailure:
+        return WorkerFailure(
+            local_rank=f.local_rank,
+            rank=state.info.rank_offset + f.local_rank,
+            pid=f.pid,
+            exitcode=f.exitcode,
+            signal=f.signal,
+            time=f.time,
+            log_tail=f.log_tail,
+            description=f.describe(),
         )
 
     def _beat(self, state: _RoundState, wait: bool) -> Heartbeat:

@@ -264,6 +264,11 @@ class WorkerGroup:
             await asyncio.sleep(0.01)
         return [w.future.result() for w in sorted(running, key=lambda w: w.order)]
 
+    def exits(self) -> list[WorkerExit]:
+        """The exits seen so far, in the order seen."""
+        done = [w for w in self._workers.values() if w.done]
+        return [w.future.result() for w in sorted(done, key=lambda w: w.order)]
+
     def kill(self, local_rank: int, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to one worker process (not its group): fault injection."""
         self._workers[local_rank].signal(sig, group=False)

@@ -30,6 +30,7 @@ from planaria.protocol import (
     JoinRequest,
     NodeStatus,
     RegisterRequest,
+    WorkerFailure,
     WorkersReport,
 )
 from planaria.scheduler import LaunchSpec, NodeEvent, NodeState, Scheduler
@@ -37,6 +38,10 @@ from planaria.scheduler import LaunchSpec, NodeEvent, NodeState, Scheduler
 log = get_logger("master")
 
 TICK = 0.05
+
+
+class BadReport(ValueError):
+    """A request that is well-formed but makes no sense for the job."""
 
 
 class JobState(str, Enum):
@@ -177,6 +182,11 @@ class Master:
         node = self._touch(request.node_id)
         if self.state.terminal or node.phase.gone:
             return JoinReply(state="exit", reason=self.reason or "the job is over")
+        if request.last_step >= 0:
+            node.step = max(node.step, request.last_step)
+            for fault in self.faults:  # the survivors know best how far training got
+                if fault.recovered_at is None:
+                    fault.last_step = max(fault.last_step, request.last_step)
         if self.rounds.closed and request.node_id in self.rounds.world:
             return self._ready(request.node_id)
         if self.rounds.closed:
@@ -226,38 +236,53 @@ class Master:
     def workers_report(self, report: WorkersReport) -> None:
         node = self._touch(report.node_id)
         node.step = max(node.step, report.last_step)
-        if report.round != self.rounds.round or self.state is not JobState.RUNNING:
-            log.info("stale workers report ignored", node=node.node_id, round=report.round)
-            return
+        current = report.round == self.rounds.round and self.state is JobState.RUNNING
         if report.succeeded:
-            node.phase = NodePhase.SUCCEEDED
-            world = self.rounds.world
-            if all(self.nodes[n].phase is NodePhase.SUCCEEDED for n in world):
-                self._finish(JobState.SUCCEEDED, "the training command succeeded on every node")
+            if current:
+                node.phase = NodePhase.SUCCEEDED
+                if all(self.nodes[n].phase is NodePhase.SUCCEEDED for n in self.rounds.world):
+                    self._finish(JobState.SUCCEEDED, "the training command succeeded on every node")
+            return
+        if report.failure is None:
+            raise BadReport("a report of failed workers must name the failure")
+        # Peers of a failed worker fail too, often before its own report arrives: every
+        # failure of a round goes into the timeline; the first one drives the restart.
+        if not current:
+            for failure in [report.failure, *report.also]:
+                self._failure_event(node, report.round, failure, secondary=True)
             return
         failure = report.failure
-        assert failure is not None
         node.phase = NodePhase.FAILED
         fault = Fault(
             kind="worker_failed",
             node=node.node_id,
             rank=failure.rank,
-            detail=f"rank {failure.rank} (node {node.node_id}) {failure.description}",
+            detail=self._failure_event(node, report.round, failure, secondary=False),
             time=failure.time,
             action="restart workers in place",
             last_step=report.last_step,
         )
+        for other in report.also:
+            self._failure_event(node, report.round, other, secondary=True)
+        self._restart(fault)
+
+    def _failure_event(
+        self, node: Node, round_: int, failure: WorkerFailure, *, secondary: bool
+    ) -> str:
+        detail = f"rank {failure.rank} (node {node.node_id}) {failure.description}"
         self.timeline.emit(
             EventKind.FAULT_DETECTED,
-            fault.detail,
+            f"{detail} (also in round {round_})" if secondary else detail,
             node=node.node_id,
             rank=failure.rank,
             fault="worker_failed",
+            secondary=secondary,
             exitcode=failure.exitcode,
             signal=failure.signal,
             log_tail=failure.log_tail,
+            round=round_,
         )
-        self._restart(fault)
+        return detail
 
     def chaos(self, report: ChaosReport) -> None:
         self.timeline.emit(
@@ -306,7 +331,7 @@ class Master:
             return
         if self.first_step_at is None:
             self.first_step_at = beat.first_step_time
-        first = min((p.step for p in beat.progress), default=None)
+        first = min((p.step for p in beat.progress if p.step >= 0), default=None)
         for fault in self.faults:
             if fault.restart_round == beat.round and fault.recovered_at is None:
                 fault.recovered_at = beat.first_step_time
@@ -420,6 +445,28 @@ class Master:
                 f"{self.settings.min_nodes} needed",
             )
 
+    def _maybe_grow(self) -> None:
+        """Nodes standing by can enlarge a world below ``max``: re-form it with them (a
+        membership change, as torchrun does; not a fault, so not charged to the budget)."""
+        if self.state is not JobState.RUNNING:
+            return
+        standby = [n for n in self.nodes.values() if n.phase is NodePhase.STANDBY]
+        size = len(self.rounds.world)
+        grown = min(size + len(standby), self.settings.max_nodes)
+        grown = grown // self.settings.node_unit * self.settings.node_unit
+        if not standby or grown <= size:
+            return
+        members = set(self.rounds.world)
+        round_now = self._open_round()
+        for node_id in members:
+            self.nodes[node_id].send(Action(kind="restart", round=round_now, reason="scale up"))
+        self.timeline.emit(
+            EventKind.WORKERS_RESTARTED,
+            f"scale up: {len(standby)} node(s) standing by join; round {round_now}",
+            round=round_now,
+            standby=[n.node_id for n in standby],
+        )
+
     def _finish(self, state: JobState, reason: str) -> None:
         if self.state.terminal:
             return
@@ -447,20 +494,20 @@ class Master:
                 self._on_node_event(event)
             if not self.state.terminal:
                 for node in list(self.nodes.values()):
+                    # A node still pending is the scheduler's business; the rendezvous
+                    # timeout covers one that never comes.
                     late = now - node.last_seen > self.spec.heartbeat_timeout
-                    if late and node.phase not in (NodePhase.LAUNCHED,) and not node.phase.gone:
+                    if late and node.phase is not NodePhase.LAUNCHED and not node.phase.gone:
                         self._node_lost(node, f"no heartbeat for {self.spec.heartbeat_timeout:g}s")
-                    elif (
-                        late
-                        and node.phase is NodePhase.LAUNCHED
-                        and now - self.started > self.settings.join_timeout
-                    ):
-                        self._node_lost(node, "never registered")
                 self._maybe_close()
+                self._maybe_grow()
                 continue
             if exit_deadline is None:
                 exit_deadline = now + self.spec.stop_grace + self.spec.heartbeat_interval + 2.0
-            if all(n.phase.gone for n in self.nodes.values()) or now > exit_deadline:
+            settled = all(
+                n.phase.gone or n.phase is NodePhase.LAUNCHED for n in self.nodes.values()
+            )
+            if settled or now > exit_deadline:
                 break
         await self._call(self.scheduler.stop, None)
         self._executor.shutdown(wait=True)

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from planaria.master.job import Master
+from planaria.master.job import BadReport, Master
 from planaria.protocol import (
     API_PREFIX,
     Ack,
@@ -70,6 +70,8 @@ def make_app(master: Master, token: str, hold: float) -> web.Application:
             return bad.response
         except KeyError as exc:
             return _error(404, f"unknown node {exc.args[0]!r}: register first")
+        except BadReport as exc:
+            return _error(400, str(exc))
 
     async def register(request: web.Request) -> web.StreamResponse:
         body = await _body(request, RegisterRequest)

@@ -45,13 +45,17 @@ class MasterRendezvous(RendezvousHandler[MasterRendezvousOptions]):
         self.restart_count = 0
         self.addr = ""
         self.port = 0
+        self.last_step = -1
 
-    def offer(self, addr: str, port: int) -> None:
-        """The address and free port this node offers in case it gets node rank 0."""
-        self.addr, self.port = addr, port
+    def offer(self, addr: str, port: int, last_step: int = -1) -> None:
+        """The address and free port this node offers in case it gets node rank 0, and the
+        last step its workers completed (the master counts the steps a fault cost)."""
+        self.addr, self.port, self.last_step = addr, port, last_step
 
     def _join(self, node: NodeInfo, wait: float) -> JoinReply:
-        body = JoinRequest(node_id=node.node_id, addr=self.addr, port=self.port)
+        body = JoinRequest(
+            node_id=node.node_id, addr=self.addr, port=self.port, last_step=self.last_step
+        )
         request = urllib.request.Request(
             f"{self._url}{API_PREFIX}/rendezvous/join",
             data=body.model_dump_json().encode(),

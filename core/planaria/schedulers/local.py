@@ -93,6 +93,12 @@ class LocalOptions(BaseModel):
         default=5.0,
         description="time a node's processes get to exit after SIGTERM before SIGKILL",
     )
+    slots: int = Field(
+        default=0,
+        ge=0,
+        description="nodes this machine runs at once; more wait as pending, like a cluster "
+        "with no free node (0: no limit)",
+    )
 
 
 @dataclass(eq=False)
@@ -210,6 +216,8 @@ class LocalScheduler(Scheduler[LocalOptions]):
         self._next_number = 0
         self._cursor = 0
         self._owner: threading.Thread | None = None
+        self._queue: dict[str, tuple[LaunchSpec, set[str]]] = {}
+        """Nodes waiting for a free slot: their spec and the hosts they must avoid."""
 
     # -- the Scheduler interface --------------------------------------------------------
 
@@ -226,14 +234,26 @@ class LocalScheduler(Scheduler[LocalOptions]):
             return []
         self._check_placeable(self._excluded, "cannot launch nodes")
         started: list[_Node] = []
+        handles: list[NodeHandle] = []
+        first = self._next_number
         try:
             for _ in range(count):
-                started.append(self._start(spec, self._choose_host(self._excluded)))
+                node_id = self._new_id()
+                if self._has_slot():
+                    node = self._start(spec, self._choose_host(self._excluded, node_id), node_id)
+                    started.append(node)
+                    handles.append(self._handle(node))
+                else:
+                    self._queue[node_id] = (spec, set(self._excluded))
+                    handles.append(NodeHandle(node_id=node_id, host="", state=NodeState.PENDING))
         except BaseException:
             self._release(started)
             self._terminate(started, grace=0.0)
+            for handle in handles:
+                self._queue.pop(handle.node_id, None)
+            self._next_number = first  # nothing was started: the numbering goes on
             raise
-        return [self._handle(node) for node in started]
+        return handles
 
     def poll(self, timeout: float) -> list[NodeEvent]:
         """State changes since the last call, in the order seen; waits at most ``timeout``
@@ -241,6 +261,7 @@ class LocalScheduler(Scheduler[LocalOptions]):
         deadline = time.monotonic() + max(0.0, timeout)
         while True:
             self._reap()
+            self._start_queued()
             if self._events:
                 events, self._events = self._events, []
                 return events
@@ -255,6 +276,11 @@ class LocalScheduler(Scheduler[LocalOptions]):
         excluded from now on. Raises :class:`SchedulerError`, changing nothing, when no host is
         left to place the new node on."""
         self._check_thread()
+        if node_id in self._queue:  # never started: the new node simply takes its place
+            spec, _ = self._queue.pop(node_id)
+            new_id = self._new_id()
+            self._queue[new_id] = (spec, set(self._excluded))
+            return NodeHandle(node_id=new_id, host="", state=NodeState.PENDING)
         node = self._get(node_id)
         if node.released:
             raise SchedulerError(f"cannot replace {node_id}: it was already stopped or replaced")
@@ -264,7 +290,12 @@ class LocalScheduler(Scheduler[LocalOptions]):
             self._excluded.add(node.host)
         self._release([node])
         self._terminate([node], grace=self.options.stop_grace)
-        new = self._start(node.spec, self._choose_host(avoid))
+        new_id = self._new_id()
+        if not self._has_slot():
+            self._queue[new_id] = (node.spec, avoid)
+            log.info("node replacement queued", node=node_id, replacement=new_id)
+            return NodeHandle(node_id=new_id, host="", state=NodeState.PENDING)
+        new = self._start(node.spec, self._choose_host(avoid, new_id), new_id)
         log.info("node replaced", node=node_id, replacement=new.node_id, host=new.host)
         return self._handle(new)
 
@@ -273,9 +304,11 @@ class LocalScheduler(Scheduler[LocalOptions]):
         and return once the processes are gone. Stopped nodes produce no further events.
         Stopping a node again is a no-op; an id this scheduler never gave out is an error."""
         if node_ids is None:
+            self._queue.clear()
             targets = list(self._nodes.values())
         else:
-            targets = [self._get(node_id) for node_id in dict.fromkeys(node_ids)]
+            wanted = [n for n in dict.fromkeys(node_ids) if self._queue.pop(n, None) is None]
+            targets = [self._get(node_id) for node_id in wanted]
         self._release(targets)
         self._terminate(targets, grace=self.options.stop_grace)
 
@@ -296,10 +329,11 @@ class LocalScheduler(Scheduler[LocalOptions]):
                 "`hosts` option to have more virtual hosts"
             )
 
-    def _choose_host(self, avoid: set[str]) -> str:
+    def _choose_host(self, avoid: set[str], node_id: str) -> str:
         hosts = self._hosts()
         if not hosts:
-            return f"local-{self._next_number}"  # one host per node: never an excluded one
+            # One host per node, named like it: never an excluded one.
+            return node_id.replace("node-", "local-", 1)
         for _ in hosts:
             host = hosts[self._cursor % len(hosts)]
             self._cursor += 1
@@ -335,8 +369,23 @@ class LocalScheduler(Scheduler[LocalOptions]):
                 + ("" if os.sep in spec.command[0] else " found on PATH")
             )
 
-    def _start(self, spec: LaunchSpec, host: str) -> _Node:
+    def _new_id(self) -> str:
         node_id = f"node-{self._next_number}"
+        self._next_number += 1
+        return node_id
+
+    def _has_slot(self) -> bool:
+        running = sum(1 for n in self._nodes.values() if not n.released and not n.reaped)
+        return self.options.slots == 0 or running < self.options.slots
+
+    def _start_queued(self) -> None:
+        while self._queue and self._has_slot():
+            node_id, (spec, avoid) = next(iter(self._queue.items()))
+            del self._queue[node_id]
+            self._check_thread()
+            self._start(spec, self._choose_host(avoid, node_id), node_id)
+
+    def _start(self, spec: LaunchSpec, host: str, node_id: str) -> _Node:
         env = {**os.environ, **spec.env, "PLANARIA_NODE_ID": node_id, "PLANARIA_HOST": host}
         argv = [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), *spec.command]
         try:
@@ -359,7 +408,6 @@ class LocalScheduler(Scheduler[LocalOptions]):
         finally:
             if log_fd is not None:
                 os.close(log_fd)
-        self._next_number += 1
         node = _Node(node_id, host, spec, proc, _open_pidfd(proc.pid))
         self._nodes[node_id] = node
         # A local process runs as soon as it exists: the next poll reports it running.

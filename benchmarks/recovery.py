@@ -1,0 +1,227 @@
+"""Recovery time after a worker is killed: planaria run against torchrun, in one run.
+
+The same training script (examples/train_gpt.py, DDP over gloo, 2 workers on one node) runs
+under ``planaria run`` (1 node x 2 procs) and under ``torchrun --max-restarts 3`` (c10d
+rendezvous), and worker rank 1 is SIGKILLed at the same step in each (``PLANARIA_CHAOS``, fired
+inside the worker by ``planaria.monitor.step``). Trials are interleaved. torchrun runs twice:
+at its defaults, and with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, the workaround for the
+restarted workers reaching the killed worker's old store address.
+
+MTTR: from the kill (the time the worker logs just before SIGKILL) to the first step rank 0
+logs after it resumed. Steps lost: steps done before the kill that had to be done again.
+
+Run:  python benchmarks/recovery.py [--trials 3] [--steps 60] [--kill-at 30]
+The last line printed is one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "train_gpt.py"
+KILL = re.compile(r"planaria chaos: kill_worker .* time=(?P<t>[0-9.]+)")
+STEP = re.compile(r"^step (?P<step>\d+) loss \S+ time (?P<t>[0-9.]+)$")
+RESUMED = re.compile(r"^resumed from step (?P<step>\d+)$")
+
+
+@dataclass
+class Trial:
+    ok: bool
+    mttr: float | None = None
+    steps_lost: int | None = None
+    wall: float = 0.0
+    note: str = ""
+
+
+def measure(rank0: str, killed: str, kill_at: int, ok: bool, wall: float, note: str) -> Trial:
+    kill = KILL.search(killed)
+    if not ok or kill is None:
+        return Trial(False, wall=wall, note=note or "no kill seen")
+    kill_time = float(kill["t"])
+    resumed_at: int | None = None
+    for line in rank0.splitlines():
+        line = line.strip()
+        if (m := RESUMED.match(line)) is not None:
+            resumed_at = int(m["step"])
+        elif (m := STEP.match(line)) and resumed_at is not None and float(m["t"]) > kill_time:
+            first = int(m["step"])
+            return Trial(True, float(m["t"]) - kill_time, max(0, kill_at - first + 1), wall)
+    return Trial(False, wall=wall, note="no step after the restart")
+
+
+def train_args(args: argparse.Namespace, ckpt: Path) -> list[str]:
+    return [
+        str(EXAMPLE),
+        "--steps", str(args.steps),
+        "--ckpt-every", str(args.ckpt_every),
+        "--ckpt-dir", str(ckpt),
+    ]  # fmt: skip
+
+
+def chaos(args: argparse.Namespace) -> str:
+    return json.dumps([{"kind": "kill_worker", "rank": 1, "at_step": args.kill_at}])
+
+
+def run_planaria(args: argparse.Namespace, work: Path) -> Trial:
+    config = work / "job.yaml"
+    command = [sys.executable, *train_args(args, work / "ckpt")]
+    config.write_text(
+        json.dumps(
+            {
+                "job": {
+                    "name": "bench",
+                    "command": command,
+                    "nodes": 1,
+                    "procs_per_node": 2,
+                    "max_restarts": 3,
+                },
+                "diagnosis": {"checks": []},
+                "chaos": [{"kind": "kill_worker", "rank": 1, "at_step": args.kill_at}],
+            }
+        )
+    )
+    planaria = Path(sys.executable).parent / "planaria"
+    started = time.time()
+    try:
+        proc = subprocess.run(
+            [str(planaria), "run", str(config)],
+            cwd=work,
+            capture_output=True,
+            text=True,
+            timeout=args.timeout,
+        )
+        ok, note = proc.returncode == 0, proc.stdout[-300:] if proc.returncode else ""
+    except subprocess.TimeoutExpired:
+        ok, note = False, "timed out (hang)"
+    wall = time.time() - started
+    logs = next(work.glob("planaria-runs/*/logs"), None)
+    if logs is None:
+        return Trial(False, wall=wall, note="no run directory")
+    rank0 = (logs / "rank-0.log").read_text(errors="replace")
+    killed = (logs / "rank-1.log").read_text(errors="replace")
+    return measure(rank0, killed, args.kill_at, ok, wall, note)
+
+
+def run_torchrun(args: argparse.Namespace, work: Path, workaround: bool) -> Trial:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PLANARIA_CHAOS": chaos(args)}
+    env.pop("PLANARIA_PROGRESS_FILE", None)
+    if workaround:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    torchrun = Path(sys.executable).parent / "torchrun"
+    command = [
+        str(torchrun),
+        "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "3",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
+        *train_args(args, work / "ckpt"),
+    ]  # fmt: skip
+    started = time.time()
+    try:
+        proc = subprocess.run(
+            command, cwd=work, env=env, capture_output=True, text=True, timeout=args.timeout
+        )
+        ok, output = proc.returncode == 0, proc.stdout + proc.stderr
+        note = "" if ok else _last_error(output)
+    except subprocess.TimeoutExpired as exc:
+        output = _text(exc.stdout) + _text(exc.stderr)
+        ok, note = False, "timed out (hang)"
+    wall = time.time() - started
+    return measure(output, output, args.kill_at, ok, wall, note)
+
+
+def _text(data: bytes | str | None) -> str:
+    if data is None:
+        return ""
+    return data.decode(errors="replace") if isinstance(data, bytes) else data
+
+
+def _last_error(output: str) -> str:
+    for line in reversed(output.splitlines()):
+        if "Error" in line or "refused" in line:
+            return line.strip()[-200:]
+    return output.strip().splitlines()[-1][-200:] if output.strip() else "failed"
+
+
+def summarise(name: str, trials: list[Trial]) -> dict[str, object]:
+    good = [t for t in trials if t.ok and t.mttr is not None]
+    mttr = statistics.median(t.mttr for t in good if t.mttr is not None) if good else None
+    lost = (
+        statistics.median(t.steps_lost for t in good if t.steps_lost is not None) if good else None
+    )
+    failed = len(trials) - len(good)
+    figures = ", ".join(
+        f"{t.mttr:.2f}s" if t.ok and t.mttr is not None else f"FAILED ({t.note})" for t in trials
+    )
+    shown = "-" if mttr is None else f"{mttr:.2f}s"
+    print(f"{name:<28} median MTTR {shown:>7}  failed {failed}/{len(trials)}  steps lost {lost}")
+    print(f"{'':<28} trials: {figures}")
+    return {"mttr": mttr, "failed": failed, "steps_lost": lost}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--kill-at", type=int, default=30)
+    parser.add_argument("--ckpt-every", type=int, default=5)
+    parser.add_argument("--timeout", type=float, default=90.0, help="a run past it hangs")
+    args = parser.parse_args()
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+
+    runners = {
+        "planaria run": lambda work: run_planaria(args, work),
+        "torchrun (defaults)": lambda work: run_torchrun(args, work, workaround=False),
+        "torchrun (workaround)": lambda work: run_torchrun(args, work, workaround=True),
+    }
+    trials: dict[str, list[Trial]] = {name: [] for name in runners}
+    for trial in range(args.trials):
+        for name, runner in runners.items():  # interleaved: machine drift hits all alike
+            work = Path(tempfile.mkdtemp(prefix="planaria-bench-"))
+            try:
+                result = runner(work)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+            trials[name].append(result)
+            shown = f"{result.mttr:.2f}s" if result.ok and result.mttr is not None else "failed"
+            print(
+                f"trial {trial + 1}: {name:<24} MTTR {shown}  (wall {result.wall:.1f}s)", flush=True
+            )
+
+    print()
+    planaria = summarise("planaria run", trials["planaria run"])
+    default = summarise("torchrun (defaults)", trials["torchrun (defaults)"])
+    workaround = summarise("torchrun (workaround)", trials["torchrun (workaround)"])
+    ratio = (
+        None
+        if planaria["mttr"] is None or workaround["mttr"] is None
+        else planaria["mttr"] / workaround["mttr"]  # type: ignore[operator]
+    )
+    print(
+        json.dumps(
+            {
+                "planaria_mttr_s": planaria["mttr"],
+                "torchrun_mttr_s": workaround["mttr"],
+                "ratio": ratio,
+                "steps_lost": planaria["steps_lost"],
+                "planaria_failed": planaria["failed"],
+                "torchrun_default_failed": default["failed"],
+                "torchrun_default_mttr_s": default["mttr"],
+                "trials": args.trials,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

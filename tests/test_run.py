@@ -1,0 +1,200 @@
+"""``planaria run`` end to end: real master, agents, warm workers and DDP training over gloo.
+
+Every run is marked through its environment; after each test no process carrying the mark may
+be alive (agents, warm interpreters, workers and their children all inherit it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "train_gpt.py"
+MARK = "PLANARIA_TEST_MARK"
+
+
+def marked_processes(mark: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        if f"{MARK}={mark}".encode() in environ.split(b"\0") and "State:\tZ" not in status:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture
+def mark():
+    value = uuid.uuid4().hex
+    yield value
+    deadline = time.monotonic() + 5
+    while (left := marked_processes(value)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == [], f"processes of the job survived it: {left}"
+
+
+def job(tmp_path: Path, **sections: object) -> Path:
+    config = {
+        "job": {
+            "name": "e2e",
+            "command": [sys.executable, str(EXAMPLE), "--steps", "24", "--ckpt-every", "4"],
+            "nodes": 2,
+            "procs_per_node": 2,
+            "max_restarts": 3,
+        },
+        "rendezvous": {"join_grace": "2s", "join_timeout": "60s"},
+        "master": {"heartbeat_interval": "1s", "heartbeat_timeout": "15s"},
+        "diagnosis": {"checks": []},
+    }
+    for name, value in sections.items():
+        if isinstance(value, dict) and isinstance(config.get(name), dict):
+            config[name] = {**config[name], **value}  # type: ignore[dict-item]
+        else:
+            config[name] = value
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def run(
+    tmp_path: Path, mark: str, *args: str, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        MARK: mark,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "COLUMNS": "200",
+    }
+    planaria = str(Path(sys.executable).parent / "planaria")
+    return subprocess.run(
+        [planaria, "run", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def events(tmp_path: Path) -> list[dict]:
+    (timeline,) = tmp_path.glob("planaria-runs/*/events.jsonl")
+    return [json.loads(line) for line in timeline.read_text().splitlines()]
+
+
+def weights(path: Path) -> dict:
+    return torch.load(path, weights_only=True, map_location="cpu")
+
+
+def test_faults_are_recovered_and_the_weights_are_bitwise_those_of_a_clean_run(tmp_path, mark):
+    clean_dir, faulty_dir = tmp_path / "clean", tmp_path / "faulty"
+    clean_dir.mkdir()
+    faulty_dir.mkdir()
+    out = ["--out", "final.pt"]
+    clean = run(clean_dir, mark, str(job(clean_dir)), "--set", f"job.command={_cmd(out)}")
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+
+    chaos = [
+        {"kind": "kill_worker", "rank": 1, "at_step": 6},
+        {"kind": "raise_in_worker", "rank": 2, "at_step": 11, "attempt": 1},
+        {"kind": "kill_node", "node_rank": 1, "at_step": 17, "attempt": 2},
+    ]
+    faulty = run(
+        faulty_dir, mark, str(job(faulty_dir, chaos=chaos)), "--set", f"job.command={_cmd(out)}"
+    )
+    assert faulty.returncode == 0, faulty.stdout + faulty.stderr
+    assert "succeeded" in faulty.stdout
+
+    timeline = events(faulty_dir)
+    faults = [
+        e for e in timeline if e["kind"] == "fault_detected" and e["data"]["fault"] != "chaos"
+    ]
+    kinds = [e["data"]["fault"] for e in faults]
+    assert kinds[:2] == ["worker_failed", "worker_failed"] and "node_lost" in kinds
+    assert faults[0]["data"]["signal"] == 9 and faults[0]["rank"] == 1
+    assert "InjectedFault" in faults[1]["data"]["log_tail"]
+    assert any(e["kind"] == "node_replaced" for e in timeline)
+    recovered = [e for e in timeline if e["message"].startswith("recovered from")]
+    assert len(recovered) >= 3
+
+    (clean_out,) = clean_dir.glob("**/final.pt")
+    (faulty_out,) = faulty_dir.glob("**/final.pt")
+    a, b = weights(clean_out), weights(faulty_out)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _cmd(extra: list[str]) -> str:
+    return json.dumps([sys.executable, str(EXAMPLE), "--steps", "24", "--ckpt-every", "4", *extra])
+
+
+def test_more_nodes_than_can_come_is_a_clear_error_after_the_join_timeout(tmp_path, mark):
+    config = job(
+        tmp_path,
+        job={"nodes": 3, "procs_per_node": 1},
+        scheduler={"backend": "local", "options": {"slots": 2}},
+        rendezvous={"join_timeout": "4s"},
+    )
+    result = run(tmp_path, mark, str(config))
+    assert result.returncode == 1
+    assert (
+        "rendezvous timed out: 2 node(s) joined round 1 within 4s, at least 3 needed"
+        in " ".join(result.stdout.split())
+    )
+
+
+def test_a_spent_restart_budget_stops_the_job_with_the_reason(tmp_path, mark):
+    chaos = [
+        {"kind": "kill_worker", "rank": 0, "at_step": 2},
+        {"kind": "kill_worker", "rank": 0, "at_step": 2, "attempt": 1},
+    ]
+    config = job(tmp_path, job={"nodes": 1, "max_restarts": 1}, chaos=chaos)
+    result = run(tmp_path, mark, str(config))
+    assert result.returncode == 1
+    text = " ".join(result.stdout.split())
+    assert "restart budget spent (1 of 1 restarts used); last fault: rank 0" in text
+    stopped = [e for e in events(tmp_path) if e["kind"] == "job_stopped"]
+    assert len(stopped) == 1 and "restart budget spent" in stopped[0]["message"]
+
+
+def test_an_elastic_job_goes_on_with_fewer_nodes_then_grows_back(tmp_path, mark):
+    config = job(
+        tmp_path,
+        job={"nodes": "1:2", "procs_per_node": 1},
+        rendezvous={"join_grace": "300ms"},
+        chaos=[{"kind": "kill_node", "node_rank": 1, "at_step": 4}],
+    )
+    command = json.dumps([sys.executable, str(EXAMPLE), "--steps", "60", "--ckpt-every", "5"])
+    result = run(tmp_path, mark, str(config), "--set", f"job.command={command}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    messages = [e["message"] for e in events(tmp_path)]
+    sizes = [m for m in messages if m.startswith("round ")]
+    assert any(": 1 node(s)" in m for m in sizes[1:]), sizes
+    assert any(m.startswith("scale up") for m in messages), messages
+
+
+def test_the_command_after_dashes_and_a_failing_command_with_no_budget(tmp_path, mark):
+    config = job(tmp_path, job={"nodes": 1, "procs_per_node": 1, "max_restarts": 0})
+    failing = "import sys; print('about to fail', file=sys.stderr); sys.exit(3)"
+    result = run(tmp_path, mark, str(config), "--", sys.executable, "-c", failing)
+    assert result.returncode == 1
+    (fault,) = [e for e in events(tmp_path) if e["kind"] == "fault_detected"]
+    assert fault["data"]["exitcode"] == 3
+    assert "about to fail" in fault["data"]["log_tail"]
+    ok = run(tmp_path, mark, str(config), "--", sys.executable, "-c", "print('fine')")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
