@@ -121,13 +121,20 @@ def test_faults_are_recovered_and_the_weights_are_bitwise_those_of_a_clean_run(t
     assert "succeeded" in faulty.stdout
 
     timeline = events(faulty_dir)
+    detected = [e for e in timeline if e["kind"] == "fault_detected"]
     faults = [
-        e for e in timeline if e["kind"] == "fault_detected" and e["data"]["fault"] != "chaos"
+        e for e in detected if e["data"]["fault"] != "chaos" and not e["data"].get("secondary")
     ]
     kinds = [e["data"]["fault"] for e in faults]
     assert kinds[:2] == ["worker_failed", "worker_failed"] and "node_lost" in kinds
     assert faults[0]["data"]["signal"] == 9 and faults[0]["rank"] == 1
-    assert "InjectedFault" in faults[1]["data"]["log_tail"]
+    # The exception's own report may arrive after a peer's: every failure of a round is kept.
+    second = faults[1]["data"]["round"]
+    assert any(
+        "InjectedFault" in e["data"].get("log_tail", "")
+        for e in detected
+        if e["data"].get("round") == second
+    ), [e["message"] for e in detected]
     assert any(e["kind"] == "node_replaced" for e in timeline)
     recovered = [e for e in timeline if e["message"].startswith("recovered from")]
     assert len(recovered) >= 3

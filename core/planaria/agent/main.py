@@ -227,7 +227,9 @@ class Agent:
         first): report what failed here anyway, so that the timeline keeps the root cause."""
         if state.reported:
             return
-        failed = [e for e in exits if not e.ok and not e.stopped]
+        # A worker that exited with an error code by itself failed, even if the stop order
+        # reached it before its exit was seen: a stopped worker dies of the signal.
+        failed = [e for e in exits if not e.ok and (not e.stopped or e.signal is None)]
         if failed:
             first, *others = sorted(failed, key=lambda e: e.time)
             result = GroupResult(succeeded=False, first_failure=first, exits=[first, *others])
