@@ -17,15 +17,14 @@ from typing import Any, TypeVar
 
 import pytest
 
+from planaria.agent.program import parse_python_command, same_interpreter
 from planaria.agent.workers import (
     GroupResult,
     WorkerExit,
     WorkerLauncher,
     WorkerSpawnError,
     WorkerSpec,
-    parse_python_command,
     read_log_tail,
-    same_interpreter,
 )
 
 T = TypeVar("T")

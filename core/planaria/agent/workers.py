@@ -20,8 +20,6 @@ import contextlib
 import itertools
 import json
 import os
-import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -33,14 +31,18 @@ from pathlib import Path
 from typing import Any
 
 from planaria.agent import zygote as _zygote
+from planaria.agent.program import (
+    PythonProgram,
+    is_python,
+    parse_python_command,
+    same_interpreter,
+)
 from planaria.errors import PlanariaError
 from planaria.log import get_logger
 
 log = get_logger("agent.workers")
 
 KILL_TIMEOUT = 30.0  # a process still there this long after SIGKILL is stuck in the kernel
-_PYTHON_NAME = re.compile(r"python(\d+(\.\d+)?)?\Z")
-_SIMPLE_FLAGS = re.compile(r"-[uBO]+\Z")
 _order = itertools.count()
 
 
@@ -105,56 +107,6 @@ def read_log_tail(path: Path, max_lines: int = 40, max_bytes: int = 8192) -> str
     while lines and len("\n".join(lines).encode()) > max_bytes:
         lines.pop(0)
     return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class PythonProgram:
-    """What ``python [simple flags] (script | -m module | -c code) args...`` runs."""
-
-    interpreter: str
-    flags: tuple[str, ...]
-    kind: str  # "script" | "module" | "code"
-    target: str
-    args: tuple[str, ...]
-
-
-def is_python(executable: str) -> bool:
-    return executable == sys.executable or bool(_PYTHON_NAME.match(os.path.basename(executable)))
-
-
-def parse_python_command(command: Sequence[str]) -> PythonProgram | None:
-    """The Python program a command runs; None if the zygote could not run it faithfully."""
-    i = 1
-    while i < len(command) and _SIMPLE_FLAGS.match(command[i]):
-        i += 1
-    if i >= len(command) or not is_python(command[0]):
-        return None
-    exe, flags, rest = command[0], tuple(command[1:i]), command[i:]
-    if rest[0] in ("-m", "-c") and len(rest) > 1:
-        kind = "module" if rest[0] == "-m" else "code"
-        return PythonProgram(exe, flags, kind, rest[1], tuple(rest[2:]))
-    if rest[0].startswith("-"):
-        return None
-    return PythonProgram(exe, flags, "script", rest[0], tuple(rest[1:]))
-
-
-def same_interpreter(executable: str, cwd: Path, env: Mapping[str, str]) -> bool:
-    """Whether ``executable``, as the worker would find it, is this interpreter in this
-    environment: the same file in the same directory (a venv's python is a symlink to the base
-    interpreter, yet has other site-packages)."""
-    if not sys.executable or executable == sys.executable:
-        return bool(sys.executable)
-    found = (
-        str(cwd / executable)
-        if os.sep in executable
-        else shutil.which(executable, path=env.get("PATH", os.defpath))
-    )
-    ours = os.path.abspath(sys.executable)
-    try:
-        found = os.path.abspath(found or "")
-        return os.path.dirname(found) == os.path.dirname(ours) and os.path.samefile(found, ours)
-    except OSError:
-        return False
 
 
 def _groups_alive(pgids: set[int]) -> bool:
