@@ -26,6 +26,7 @@ from planaria.agent.workers import (
 )
 from planaria.chaos import ENV as CHAOS_ENV
 from planaria.chaos import ChaosRule, worker_rules_env
+from planaria.errors import RendezvousClosedError
 from planaria.log import bind, get_logger
 from planaria.progress import ENV as PROGRESS_ENV
 from planaria.progress import ProgressBoard
@@ -137,8 +138,6 @@ class Agent:
             self.board.close()
 
     async def _join(self) -> RendezvousInfo | None:
-        from planaria.errors import RendezvousClosedError
-
         last = max((p.step for p in self.board.read_all()), default=-1)
         self.rdzv.offer(self.addr, free_port(self.addr), last)
         node = NodeInfo(
