@@ -32,8 +32,6 @@ def settings(tmp_path: Path, nodes: int = 2) -> JobSettings:
         stop_grace=1,
         preload=[],
     )
-    # Stand-in agents that never call back: the test plays the agents over HTTP.
-    idle = LaunchSpec(job="api", command=(sys.executable, "-c", "import time; time.sleep(60)"))
     return JobSettings(
         spec=spec,
         min_nodes=nodes,
@@ -41,7 +39,6 @@ def settings(tmp_path: Path, nodes: int = 2) -> JobSettings:
         node_unit=1,
         join_grace=5,
         join_timeout=60,
-        launch=idle,
     )
 
 
@@ -49,7 +46,9 @@ async def with_master(tmp_path: Path, body) -> None:
     master = Master(settings(tmp_path), LocalScheduler(LocalOptions()), tmp_path)
     runner, port = await serve(make_app(master, TOKEN, hold=0.2), "127.0.0.1", 0)
     url = f"http://127.0.0.1:{port}{API_PREFIX}"
-    job = asyncio.ensure_future(master.run())
+    # Stand-in agents that never call back: the test plays the agents over HTTP.
+    idle = LaunchSpec(job="api", command=(sys.executable, "-c", "import time; time.sleep(60)"))
+    job = asyncio.ensure_future(master.run(idle))
     try:
         async with aiohttp.ClientSession() as session:
             await asyncio.sleep(0.2)  # launched

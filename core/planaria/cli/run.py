@@ -155,7 +155,6 @@ async def _run(resolved: ResolvedConfig, manager: PluginManager) -> tuple[Summar
         _print_event(event)
         manager.emit(event)
 
-    placeholder = LaunchSpec(job=job.name, command=())
     settings = JobSettings(
         spec=spec,
         min_nodes=job.nodes.min,
@@ -163,23 +162,17 @@ async def _run(resolved: ResolvedConfig, manager: PluginManager) -> tuple[Summar
         node_unit=job.node_unit,
         join_grace=config.rendezvous.join_grace,
         join_timeout=config.rendezvous.join_timeout,
-        launch=placeholder,
     )
     master = Master(settings, scheduler, run_dir, observe)
     app_ = make_app(master, token, hold=config.master.heartbeat_interval)
     runner, port = await serve(app_, config.master.host, config.master.port)
     advertise = config.master.advertise or config.master.host
     url = f"http://{advertise}:{port}"
-    master.settings = JobSettings(
-        **{
-            **settings.__dict__,
-            "launch": LaunchSpec(
-                job=job.name,
-                command=(sys.executable, "-m", "planaria", "agent"),
-                env={MASTER_ENV: url, TOKEN_ENV: token},
-                log_dir=run_dir / "logs" / "agents",
-            ),
-        }
+    agents = LaunchSpec(
+        job=job.name,
+        command=(sys.executable, "-m", "planaria", "agent"),
+        env={MASTER_ENV: url, TOKEN_ENV: token},  # the token never shows in a command line
+        log_dir=run_dir / "logs" / "agents",
     )
     out.print(f"planaria: job {job.name} (run {run_id}), master at {url}")
     loop = asyncio.get_running_loop()
@@ -188,13 +181,13 @@ async def _run(resolved: ResolvedConfig, manager: PluginManager) -> tuple[Summar
     try:
         if out.is_terminal:
             with Live(_status_table(master), console=out, refresh_per_second=4) as live:
-                task = asyncio.ensure_future(master.run())
+                task = asyncio.ensure_future(master.run(agents))
                 while not task.done():
                     live.update(_status_table(master))
                     await asyncio.wait({task}, timeout=0.25)
                 summary = task.result()
         else:
-            summary = await master.run()
+            summary = await master.run(agents)
     finally:
         await runner.cleanup()
         master.timeline.close()

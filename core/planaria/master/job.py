@@ -97,7 +97,6 @@ class JobSettings:
     node_unit: int
     join_grace: float
     join_timeout: float
-    launch: LaunchSpec
 
 
 class Master:
@@ -140,10 +139,8 @@ class Master:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
 
-    async def launch(self) -> None:
-        handles = await self._call(
-            self.scheduler.launch, self.settings.launch, self.settings.max_nodes
-        )
+    async def launch(self, spec: LaunchSpec) -> None:
+        handles = await self._call(self.scheduler.launch, spec, self.settings.max_nodes)
         for handle in handles:
             self.nodes[handle.node_id] = Node(handle.node_id, handle.host)
         self._open_round()
@@ -484,8 +481,9 @@ class Master:
 
     # -- main loop ------------------------------------------------------------------------
 
-    async def run(self) -> Summary:
-        await self.launch()
+    async def run(self, launch: LaunchSpec) -> Summary:
+        """Launch the nodes (``launch`` is what each runs: the agent) and see the job through."""
+        await self.launch(launch)
         exit_deadline: float | None = None
         while True:
             await asyncio.sleep(TICK)
