@@ -19,6 +19,7 @@ from planaria.config.schema import config_schema
 from planaria.durations import format_duration, parse_duration
 from planaria.errors import ConfigError
 from planaria.plugin.manager import PluginManager
+from planaria.storages.local import LocalStorage
 
 GOOD = """\
 job:
@@ -97,11 +98,12 @@ min_shm = "1MiB"
 def test_defaults_only(tmp_path):
     resolved, _ = load(None)
     assert [c.name for c in resolved.checks] == ["host"]
-    # Built-in defaults resolve; the default storage is not installed yet: it is left out
-    # until a command needs it, rather than reported.
+    # Built-in defaults resolve, the default storage included.
     assert resolved.backends["scheduler"].record.name == "local"
     assert resolved.backends["rendezvous"].record.name == "master"
-    assert "checkpoint.storage" not in resolved.backends
+    storage = resolved.backends["checkpoint.storage"]
+    assert storage.record.name == "local"
+    assert storage.record.factory is LocalStorage
 
 
 BAD = [
