@@ -201,7 +201,7 @@ class Agent:
         failures = [
             self._failure(state, e)
             for e in result.exits
-            if not e.ok and not e.stopped and e is not result.first_failure
+            if _failed_by_itself(e) and e is not result.first_failure
         ]
         first = None
         if result.first_failure is not None:
@@ -226,9 +226,7 @@ class Agent:
         first): report what failed here anyway, so that the timeline keeps the root cause."""
         if state.reported:
             return
-        # A worker that exited with an error code by itself failed, even if the stop order
-        # reached it before its exit was seen: a stopped worker dies of the signal.
-        failed = [e for e in exits if not e.ok and (not e.stopped or e.signal is None)]
+        failed = [e for e in exits if _failed_by_itself(e)]
         if failed:
             first, *others = sorted(failed, key=lambda e: e.time)
             result = GroupResult(succeeded=False, first_failure=first, exits=[first, *others])
@@ -303,6 +301,12 @@ class Agent:
             await asyncio.wait_for(self.client.call("/chaos", report, Ack), timeout=2)
         finally:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _failed_by_itself(exit_: WorkerExit) -> bool:
+    """A worker that exited with an error code failed by itself, even if the stop order
+    reached it before its exit was seen: a worker that was stopped dies of the signal."""
+    return not exit_.ok and (not exit_.stopped or exit_.signal is None)
 
 
 class _RoundState:
