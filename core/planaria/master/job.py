@@ -82,7 +82,6 @@ class Node:
     action: Action | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     step: int = -1
-    round: int = 0
 
     def send(self, action: Action) -> None:
         self.action = action
@@ -129,7 +128,6 @@ class Master:
         self.finished_at: float | None = None
         self._round_settled = asyncio.Event()
         """Set when the forming round closes, is superseded or the job ends."""
-        self.done = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scheduler")
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -207,7 +205,6 @@ class Master:
     def _ready(self, node_id: str) -> JoinReply:
         node = self.nodes[node_id]
         node.phase = NodePhase.RUNNING
-        node.round = self.rounds.round
         node.step = -1
         return JoinReply(
             state="ready", info=self.rounds.world[node_id], restart_count=self.restarts
@@ -509,7 +506,6 @@ class Master:
                 break
         await self._call(self.scheduler.stop, None)
         self._executor.shutdown(wait=True)
-        self.done.set()
         return self.summary()
 
     def summary(self) -> Summary:
