@@ -9,6 +9,11 @@ The task: each sequence follows a fixed random permutation of the vocabulary
 (``next = perm[token]``), with a token replaced by a random one now and then, so the loss drops
 from ln(vocab) towards the noise floor within a few hundred steps.
 
+Checkpoints are flash checkpoints (``planaria.checkpoint``): every step is copied into shared
+memory, every ``--ckpt-every`` steps it is also persisted in the background. Under
+``planaria run`` a restarted worker restores from memory (no step lost); standalone it restores
+from the newest committed checkpoint in ``--ckpt-dir``.
+
 Determinism: the batch of step ``s`` on global rank ``r`` depends only on (seed, s, r), the
 initial weights only on the seed, and a checkpoint holds the model and the optimizer state. So,
 for one world size, a run that is interrupted and resumed from its checkpoint ends with bitwise
@@ -35,13 +40,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
-try:
-    from planaria import monitor
-except ImportError:  # runs where planaria is not installed: progress reporting is a no-op
-    monitor = None
-
-CHECKPOINT = "latest.pt"
-
+from planaria.checkpoint import Checkpointer
 
 # --------------------------------------------------------------------------- model
 
@@ -159,9 +158,12 @@ def atomic_save(obj: Any, path: Path) -> None:
         os.close(dir_fd)
 
 
-def default_ckpt_dir() -> Path:
-    run_dir = os.environ.get("PLANARIA_RUN_DIR")
-    return Path(run_dir) / "checkpoints" if run_dir else Path("checkpoints")
+def checkpointer(args: argparse.Namespace) -> Checkpointer:
+    """Under ``planaria run`` the job's ``checkpoint.storage`` (unless --ckpt-dir is given),
+    else --ckpt-dir (default ./checkpoints)."""
+    if args.ckpt_dir is None and "PLANARIA_CKPT_STORAGE" in os.environ:
+        return Checkpointer()
+    return Checkpointer(args.ckpt_dir or Path("checkpoints"))
 
 
 # --------------------------------------------------------------------------- training
@@ -184,14 +186,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--ckpt-dir",
         type=Path,
         default=None,
-        help="default: $PLANARIA_RUN_DIR/checkpoints, else ./checkpoints",
+        help="default: the job's checkpoint storage under planaria run, else ./checkpoints",
     )
-    p.add_argument("--ckpt-every", type=int, default=10, help="steps between checkpoints; 0: off")
+    p.add_argument(
+        "--ckpt-every", type=int, default=10, help="persist every N steps (memory: every step)"
+    )
     p.add_argument("--out", type=Path, default=None, help="save the final model state_dict here")
-    args = p.parse_args(argv)
-    if args.ckpt_dir is None:
-        args.ckpt_dir = default_ckpt_dir()
-    return args
+    return p.parse_args(argv)
 
 
 def same_start(start: int) -> None:
@@ -230,14 +231,15 @@ def train(args: argparse.Namespace, rank: int, world: int, distributed: bool) ->
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     start = 0
-    ckpt_path = args.ckpt_dir / CHECKPOINT
-    if ckpt_path.exists():  # only rank 0 writes it, by an atomic rename: never half-written
-        state = torch.load(ckpt_path, weights_only=True, map_location="cpu")
+    ckpt = checkpointer(args)
+    restored = ckpt.load({"model": model.state_dict(), "optim": optim.state_dict()})
+    if restored is not None:  # the model's tensors were filled in place
+        step, state = restored
         model.load_state_dict(state["model"])
         optim.load_state_dict(state["optim"])
-        start = int(state["step"]) + 1
+        start = step + 1
         if rank == 0:
-            print(f"resumed from step {state['step']}", flush=True)
+            print(f"resumed from step {step} ({ckpt.restored_from})", flush=True)
 
     ddp: nn.Module = model
     if distributed:
@@ -269,14 +271,13 @@ def train(args: argparse.Namespace, rank: int, world: int, distributed: bool) ->
                 mean /= world
             if rank == 0:
                 print(f"step {step} loss {mean.item():.4f} time {time.time():.6f}", flush=True)
-        if rank == 0 and args.ckpt_every > 0 and (step + 1) % args.ckpt_every == 0:
-            atomic_save(
-                {"step": step, "model": model.state_dict(), "optim": optim.state_dict()},
-                ckpt_path,
-            )
-        if monitor is not None:
-            monitor.step(step)
+        # Every step into shared memory (it also reports the step to planaria's agent);
+        # every --ckpt-every steps to storage too, in the background.
+        persist = args.ckpt_every > 0 and (step + 1) % args.ckpt_every == 0
+        ckpt.save(step, {"model": model.state_dict(), "optim": optim.state_dict()}, persist)
 
+    ckpt.wait()  # the last persisted step is committed before the job reports success
+    ckpt.close()
     if rank == 0:
         if args.out is not None:
             atomic_save(model.state_dict(), args.out)

@@ -165,7 +165,9 @@ def test_more_nodes_than_can_come_is_a_clear_error_after_the_join_timeout(tmp_pa
 def test_a_spent_restart_budget_stops_the_job_with_the_reason(tmp_path, mark):
     chaos = [
         {"kind": "kill_worker", "rank": 0, "at_step": 2},
-        {"kind": "kill_worker", "rank": 0, "at_step": 2, "attempt": 1},
+        # After the restart the workers resume after the step they restored (from memory):
+        # the second kill must come later than the first.
+        {"kind": "kill_worker", "rank": 0, "at_step": 6, "attempt": 1},
     ]
     config = job(tmp_path, job={"nodes": 1, "max_restarts": 1}, chaos=chaos)
     result = run(tmp_path, mark, str(config))

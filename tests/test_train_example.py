@@ -110,7 +110,8 @@ def test_resumed_run_ends_bitwise_equal_to_fault_free_run(tmp_path: Path) -> Non
     assert faulty.returncode == 0, faulty.stdout + faulty.stderr
     assert f"raise_in_worker rank=2 at_step={FAULT_STEP}" in faulty.stderr
     last_ckpt = FAULT_STEP // CKPT_EVERY * CKPT_EVERY - 1
-    assert f"resumed from step {last_ckpt}" in faulty.stdout
+    # Standalone (torchrun), a restarted worker restores from storage, not from memory.
+    assert f"resumed from step {last_ckpt} (storage)" in faulty.stdout
     assert f"done {STEPS} steps" in faulty.stdout
 
     expected = load(tmp_path / "clean" / "final.pt")
@@ -119,6 +120,9 @@ def test_resumed_run_ends_bitwise_equal_to_fault_free_run(tmp_path: Path) -> Non
     differ = [key for key in expected if not torch.equal(expected[key], got[key])]
     assert not differ, f"weights differ after resuming: {differ}"
 
-    ckpt = tmp_path / "faulty" / "checkpoints" / "latest.pt"
-    assert ckpt.stat().st_mode & 0o777 == 0o600
-    assert load(ckpt)["step"] == STEPS - 1
+    # The last persisted step is committed (every rank's shard, the manifest), owner-only.
+    last = tmp_path / "faulty" / "checkpoints" / f"step-{STEPS - 1}"
+    manifest = json.loads((last / "manifest.json").read_text())
+    assert manifest["world"] == RANKS and manifest["step"] == STEPS - 1
+    for rank in range(RANKS):
+        assert (last / f"rank-{rank}.bin").stat().st_mode & 0o777 == 0o600

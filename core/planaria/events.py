@@ -21,6 +21,7 @@ class EventKind(str, Enum):
     STRAGGLER_DETECTED = "straggler_detected"
     HANG_DETECTED = "hang_detected"
     CHECKPOINT_COMMITTED = "checkpoint_committed"
+    CHECKPOINT_FAILED = "checkpoint_failed"
     JOB_STOPPED = "job_stopped"
 
 

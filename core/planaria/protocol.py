@@ -6,7 +6,7 @@ Every request carries the job's token (``Authorization: Bearer ...``).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,6 +22,16 @@ HOST_ENV = "PLANARIA_HOST"
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CheckpointSpec(Message):
+    """The job's ``checkpoint`` section, as agents and workers need it."""
+
+    storage: dict[str, Any]
+    """``{"backend": ..., "options": {...}}``, options validated by the master."""
+    keep_last: int = 3
+    persist_every: int = 100
+    persist_on_fault: bool = True
 
 
 class JobSpec(Message):
@@ -40,6 +50,7 @@ class JobSpec(Message):
     stop_grace: float
     preload: list[str]
     chaos: list[ChaosRule] = Field(default_factory=list)
+    checkpoint: CheckpointSpec | None = None
 
 
 class RegisterRequest(Message):
@@ -53,6 +64,16 @@ class RegisterReply(Message):
     spec: JobSpec
 
 
+class MemoryHolding(Message):
+    """The complete steps one local rank's shared memory holds, and as which rank they were
+    saved."""
+
+    local_rank: int
+    rank: int
+    world: int
+    steps: list[int]
+
+
 class JoinRequest(Message):
     node_id: str
     addr: str
@@ -61,6 +82,8 @@ class JoinRequest(Message):
     """A port free on this host, offered for MASTER_PORT in case this node gets rank 0."""
     last_step: int = -1
     """The highest step this node's workers completed before this join (-1: none)."""
+    memory: list[MemoryHolding] = Field(default_factory=list)
+    """Flash-checkpoint steps held in this node's shared memory."""
 
 
 class JoinReply(Message):
@@ -68,6 +91,24 @@ class JoinReply(Message):
     info: RendezvousInfo | None = None
     restart_count: int = 0
     reason: str = ""
+    restore: str = "storage"
+    """Where workers restore from this round: ``memory:<step>`` when every rank holds that
+    step in memory, else ``storage``."""
+    persist_step: int | None = None
+    """Persist this step from memory before training resumes (``persist_on_fault``)."""
+
+
+class CheckpointEvent(Message):
+    """What a node's persister did: ``shard_persisted``, ``checkpoint_committed``,
+    ``persist_failed``, or ``restored`` (a worker's restore)."""
+
+    node_id: str
+    event: str
+    step: int
+    rank: int | None = None
+    bytes: int | None = None
+    seconds: float | None = None
+    error: str = ""
 
 
 NodeActivity = Literal["idle", "running", "succeeded", "failed"]

@@ -36,6 +36,8 @@ class LaunchSpec(BaseModel):
     command: tuple[str, ...]
     env: dict[str, str] = Field(default_factory=dict)
     log_dir: Path | None = None
+    run_id: str = ""
+    """The run's id: what a node puts in /dev/shm is named ``planaria-<run_id>-...``."""
 
 
 class NodeHandle(BaseModel):

@@ -14,8 +14,10 @@ import signal
 import socket
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
+from planaria.agent.checkpoints import NodeCheckpoints
 from planaria.agent.client import MasterClient
 from planaria.agent.workers import (
     GroupResult,
@@ -34,6 +36,7 @@ from planaria.protocol import (
     Ack,
     Action,
     ChaosReport,
+    CheckpointEvent,
     Heartbeat,
     HeartbeatReply,
     JobSpec,
@@ -116,8 +119,14 @@ class Agent:
         base_env = {**os.environ, **spec.env, "PLANARIA_RUN_DIR": spec.run_dir}
         if spec.procs_per_node > 1:
             base_env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does
-        board_path = Path("/dev/shm") / f"planaria-{spec.run_id}-{self.node_id}.progress"
-        self.board = ProgressBoard(board_path, spec.procs_per_node)
+        # Every file this node puts in /dev/shm starts with this prefix: one sweep frees them.
+        prefix = f"/dev/shm/planaria-{spec.run_id}-{self.node_id}."
+        self.loop = asyncio.get_running_loop()
+        self.checkpoints: NodeCheckpoints | None = None
+        if spec.checkpoint is not None:
+            self.checkpoints = NodeCheckpoints(spec.checkpoint, prefix, self._checkpoint_event)
+            self.checkpoints.start()
+        self.board = ProgressBoard(Path(f"{prefix}progress"), spec.procs_per_node)
         launcher = WorkerLauncher(
             spec.command, Path(spec.workdir), base_env, spec.preload, spec.stop_grace
         )
@@ -136,10 +145,13 @@ class Agent:
             warming.cancel()
             await launcher.close()
             self.board.close()
+            if self.checkpoints is not None:
+                await asyncio.to_thread(self.checkpoints.stop)
 
     async def _join(self) -> RendezvousInfo | None:
         last = max((p.step for p in self.board.read_all()), default=-1)
-        self.rdzv.offer(self.addr, free_port(self.addr), last)
+        memory = self.checkpoints.holdings(self.spec.procs_per_node) if self.checkpoints else []
+        self.rdzv.offer(self.addr, free_port(self.addr), last, memory)
         node = NodeInfo(
             node_id=self.node_id, host=self.host, local_world_size=self.spec.procs_per_node
         )
@@ -161,10 +173,20 @@ class Agent:
             "PLANARIA_NODE_ID": self.node_id,
         }
         logs = Path(spec.run_dir) / "logs"
+        checkpoints = self.checkpoints
+        if checkpoints is not None and self.rdzv.persist_step is not None:
+            # Persist at fault: pin the agreed step before workers can save over it.
+            step = self.rdzv.persist_step
+            errors = await checkpoints.persist(step, list(range(spec.procs_per_node)), 30.0)
+            for error in errors:
+                log.warning("cannot persist step at fault", step=step, error=error)
         specs = [
             WorkerSpec(
                 local_rank=lr,
-                env=worker_env(spec, info, lr, restart_count, extra),
+                env={
+                    **worker_env(spec, info, lr, restart_count, extra),
+                    **(checkpoints.worker_env(lr, self.rdzv.restore) if checkpoints else {}),
+                },
                 log_path=logs / f"rank-{info.rank_offset + lr}.log",
             )
             for lr in range(spec.procs_per_node)
@@ -194,6 +216,31 @@ class Agent:
             for task in (waiting, watching, beating):
                 task.cancel()
             await group.stop()
+
+    def _checkpoint_event(self, event: dict[str, Any]) -> None:
+        """A persister event (from its reader thread): forward it to the master."""
+        try:
+            report = CheckpointEvent(
+                node_id=self.node_id,
+                event=str(event.get("event")),
+                step=int(event.get("step", -1)),
+                rank=event.get("rank"),
+                bytes=event.get("bytes"),
+                seconds=event.get("seconds"),
+                error=str(event.get("error", "")),
+            )
+        except (ValueError, TypeError) as exc:
+            log.warning("bad persister event", event=event, error=str(exc))
+            return
+        if report.event == "shard_persisted":
+            return  # the commit event says it for every rank
+        asyncio.run_coroutine_threadsafe(self._send_event(report), self.loop)
+
+    async def _send_event(self, report: CheckpointEvent) -> None:
+        try:
+            await self.client.call("/checkpoint/event", report, Ack)
+        except Exception as exc:  # the master may be gone at the very end
+            log.warning("cannot report checkpoint event", error=str(exc))
 
     async def _report(self, state: _RoundState, result: GroupResult) -> None:
         state.reported = True

@@ -25,7 +25,7 @@ from planaria.master.job import JobSettings, JobState, Master
 from planaria.master.server import make_app, serve
 from planaria.master.timeline import Summary
 from planaria.plugin.manager import PluginManager
-from planaria.protocol import MASTER_ENV, TOKEN_ENV, JobSpec
+from planaria.protocol import MASTER_ENV, TOKEN_ENV, CheckpointSpec, JobSpec
 from planaria.scheduler import LaunchSpec
 
 EVENT_STYLE = {
@@ -115,17 +115,39 @@ def print_summary(summary: Summary, run_dir: Path) -> None:
     table.add_row("restarts", str(summary.restarts))
     table.add_row("downtime (recovery)", f"{summary.downtime_s:.2f}s")
     table.add_row("goodput", f"{summary.goodput:.1%}")
+    if summary.checkpoints:
+        table.add_row(
+            "checkpoints committed", f"{summary.checkpoints} (last: step {summary.last_checkpoint})"
+        )
     out.print(table)
     if summary.faults:
         faults = Table(title="faults")
-        for column in ("fault", "detail", "action", "recovery", "steps lost"):
+        for column in ("fault", "detail", "action", "restored from", "recovery", "steps lost"):
             faults.add_column(column, overflow="fold")
         for fault in summary.faults:
             recovery = "-" if fault.recovery_s is None else f"{fault.recovery_s:.2f}s"
             lost = "-" if fault.steps_lost is None else str(fault.steps_lost)
-            faults.add_row(fault.kind, fault.detail, fault.action, recovery, lost)
+            restored = fault.restored_from or "-"
+            faults.add_row(fault.kind, fault.detail, fault.action, restored, recovery, lost)
         out.print(faults)
     out.print(f"timeline: {run_dir / 'events.jsonl'}\nlogs: {run_dir / 'logs'}")
+
+
+def _checkpoint_spec(resolved: ResolvedConfig, run_dir: Path) -> CheckpointSpec:
+    """The checkpoint section for agents and workers. A relative ``local`` path is taken
+    relative to the run's directory, so each run starts fresh unless the config names a
+    directory of its own (an absolute path: a new run then resumes from it)."""
+    section = resolved.config.checkpoint
+    storage = resolved.backends["checkpoint.storage"]
+    options = storage.options.model_dump(mode="json")
+    if storage.record.name == "local" and not Path(options["path"]).expanduser().is_absolute():
+        options["path"] = str(run_dir / options["path"])
+    return CheckpointSpec(
+        storage={"backend": storage.record.name, "options": options},
+        keep_last=section.keep_last,
+        persist_every=section.persist_every,
+        persist_on_fault=section.persist_on_fault,
+    )
 
 
 async def _run(resolved: ResolvedConfig, manager: PluginManager) -> tuple[Summary, Path]:
@@ -149,6 +171,7 @@ async def _run(resolved: ResolvedConfig, manager: PluginManager) -> tuple[Summar
         stop_grace=job.stop_grace,
         preload=job.preload,
         chaos=config.chaos,
+        checkpoint=_checkpoint_spec(resolved, run_dir),
     )
 
     def observe(event: JobEvent) -> None:
@@ -173,6 +196,7 @@ async def _run(resolved: ResolvedConfig, manager: PluginManager) -> tuple[Summar
         command=(sys.executable, "-m", "planaria", "agent"),
         env={MASTER_ENV: url, TOKEN_ENV: token},  # the token never shows in a command line
         log_dir=run_dir / "logs" / "agents",
+        run_id=run_id,
     )
     out.print(f"planaria: job {job.name} (run {run_id}), master at {url}")
     loop = asyncio.get_running_loop()

@@ -18,16 +18,19 @@ from typing import Any
 
 from planaria.events import EventKind, JobEvent
 from planaria.log import get_logger
+from planaria.master.restore import agree
 from planaria.master.rounds import Rounds
 from planaria.master.timeline import Fault, Summary, Timeline
 from planaria.protocol import (
     Action,
     ChaosReport,
+    CheckpointEvent,
     Heartbeat,
     JobSpec,
     JobStatus,
     JoinReply,
     JoinRequest,
+    MemoryHolding,
     NodeStatus,
     RegisterRequest,
     WorkerFailure,
@@ -82,6 +85,7 @@ class Node:
     action: Action | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     step: int = -1
+    memory: list[MemoryHolding] = field(default_factory=list)
 
     def send(self, action: Action) -> None:
         self.action = action
@@ -128,6 +132,11 @@ class Master:
         self.finished_at: float | None = None
         self._round_settled = asyncio.Event()
         """Set when the forming round closes, is superseded or the job ends."""
+        self.restore = "storage"
+        """Where this round's workers restore from: ``memory:<step>`` or ``storage``."""
+        self.persist_step: int | None = None
+        self.committed_step = -1
+        self.checkpoints_committed = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scheduler")
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -177,6 +186,7 @@ class Master:
         node = self._touch(request.node_id)
         if self.state.terminal or node.phase.gone:
             return JoinReply(state="exit", reason=self.reason or "the job is over")
+        node.memory = list(request.memory)
         if request.last_step >= 0:
             node.step = max(node.step, request.last_step)
             for fault in self.faults:  # the survivors know best how far training got
@@ -207,7 +217,11 @@ class Master:
         node.phase = NodePhase.RUNNING
         node.step = -1
         return JoinReply(
-            state="ready", info=self.rounds.world[node_id], restart_count=self.restarts
+            state="ready",
+            info=self.rounds.world[node_id],
+            restart_count=self.restarts,
+            restore=self.restore,
+            persist_step=self.persist_step,
         )
 
     async def heartbeat(self, beat: Heartbeat, hold: float) -> Action:
@@ -424,12 +438,15 @@ class Master:
             self.state = JobState.RUNNING
             self._round_settled.set()
             ranks = {n: i.node_rank for n, i in world.items()}
+            restore = self._decide_restore()
             self.timeline.emit(
                 EventKind.RENDEZVOUS_COMPLETED,
                 f"round {self.rounds.round}: {len(world)} node(s), "
-                f"world size {next(iter(world.values())).world_size}",
+                f"world size {next(iter(world.values())).world_size}; restore from {restore}",
                 round=self.rounds.round,
                 ranks=ranks,
+                restore=self.restore,
+                persist_step=self.persist_step,
             )
         elif now - self.rounds.opened_at > self.settings.join_timeout:
             self._finish(
@@ -438,6 +455,56 @@ class Master:
                 f"{self.rounds.round} within {self.settings.join_timeout:g}s, at least "
                 f"{self.settings.min_nodes} needed",
             )
+
+    def _decide_restore(self) -> str:
+        """Memory when every rank of the new world holds a common step, else storage; with
+        ``persist_on_fault``, a restart also persists that step if storage lacks it."""
+        world = self.rounds.world
+        step, why = agree(world, {n: self.nodes[n].memory for n in world}, self.spec.procs_per_node)
+        self.restore = "storage" if step is None else f"memory:{step}"
+        checkpoint = self.spec.checkpoint
+        self.persist_step = None
+        if (
+            step is not None
+            and checkpoint is not None
+            and checkpoint.persist_on_fault
+            and self.restarts > 0
+            and step > self.committed_step
+        ):
+            self.persist_step = step
+        where = "storage" if step is None else f"memory (step {step})"
+        for fault in self.faults:
+            if fault.restart_round == self.rounds.round:
+                fault.restored_from = where
+        log.info("restore decided", round=self.rounds.round, restore=self.restore, why=why)
+        return f"{where}: {why}"
+
+    def checkpoint_event(self, report: CheckpointEvent) -> None:
+        node = self._touch(report.node_id)
+        if report.event == "checkpoint_committed":
+            self.committed_step = max(self.committed_step, report.step)
+            self.checkpoints_committed += 1
+            size = f"{(report.bytes or 0) / 2**20:.1f} MiB"
+            self.timeline.emit(
+                EventKind.CHECKPOINT_COMMITTED,
+                f"checkpoint step {report.step} committed ({size}, {report.seconds or 0:.2f}s)",
+                node=node.node_id,
+                step=report.step,
+                bytes=report.bytes,
+                seconds=report.seconds,
+            )
+        elif report.event == "persist_failed":
+            self.timeline.emit(
+                EventKind.CHECKPOINT_FAILED,
+                f"persisting step {report.step} failed on {node.node_id}"
+                f"{'' if report.rank is None else f' (rank {report.rank})'}: {report.error}",
+                node=node.node_id,
+                step=report.step,
+                rank=report.rank,
+                error=report.error,
+            )
+        elif report.event == "restored":
+            log.info("workers restored", node=node.node_id, step=report.step)
 
     def _maybe_grow(self) -> None:
         """Nodes standing by can enlarge a world below ``max``: re-form it with them (a
@@ -522,6 +589,8 @@ class Master:
             downtime_s=downtime,
             restarts=self.restarts,
             faults=list(self.faults),
+            checkpoints=self.checkpoints_committed,
+            last_checkpoint=self.committed_step if self.committed_step >= 0 else None,
         )
 
 

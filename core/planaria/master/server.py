@@ -18,6 +18,7 @@ from planaria.protocol import (
     API_PREFIX,
     Ack,
     ChaosReport,
+    CheckpointEvent,
     Heartbeat,
     HeartbeatReply,
     JoinRequest,
@@ -93,6 +94,10 @@ def make_app(master: Master, token: str, hold: float) -> web.Application:
         master.chaos(await _body(request, ChaosReport))
         return _json(Ack())
 
+    async def checkpoint(request: web.Request) -> web.StreamResponse:
+        master.checkpoint_event(await _body(request, CheckpointEvent))
+        return _json(Ack())
+
     async def status(request: web.Request) -> web.StreamResponse:
         return _json(master.status())
 
@@ -104,6 +109,7 @@ def make_app(master: Master, token: str, hold: float) -> web.Application:
             web.post(f"{API_PREFIX}/heartbeat", heartbeat),
             web.post(f"{API_PREFIX}/workers", workers),
             web.post(f"{API_PREFIX}/chaos", chaos),
+            web.post(f"{API_PREFIX}/checkpoint/event", checkpoint),
             web.get(f"{API_PREFIX}/status", status),
         ]
     )

@@ -25,6 +25,8 @@ class Fault:
     restart_round: int | None = None
     recovered_at: float | None = None
     first_step_after: int | None = None
+    restored_from: str | None = None
+    """``memory (step N)`` or ``storage``: where the restarted workers were told to restore."""
 
     @property
     def recovery_s(self) -> float | None:
@@ -47,6 +49,9 @@ class Summary:
     downtime_s: float
     restarts: int
     faults: list[Fault] = field(default_factory=list)
+    checkpoints: int = 0
+    """Flash checkpoints committed to storage."""
+    last_checkpoint: int | None = None
 
     @property
     def goodput(self) -> float:

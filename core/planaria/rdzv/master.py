@@ -19,7 +19,14 @@ from pydantic import BaseModel, ConfigDict
 from planaria.errors import RendezvousClosedError, RendezvousError, RendezvousTimeoutError
 from planaria.plugin import hookimpl
 from planaria.plugin.records import RendezvousBackendRecord
-from planaria.protocol import API_PREFIX, MASTER_ENV, TOKEN_ENV, JoinReply, JoinRequest
+from planaria.protocol import (
+    API_PREFIX,
+    MASTER_ENV,
+    TOKEN_ENV,
+    JoinReply,
+    JoinRequest,
+    MemoryHolding,
+)
 from planaria.rendezvous import NodeInfo, RendezvousHandler, RendezvousInfo
 
 
@@ -46,15 +53,26 @@ class MasterRendezvous(RendezvousHandler[MasterRendezvousOptions]):
         self.addr = ""
         self.port = 0
         self.last_step = -1
+        self.memory: list[MemoryHolding] = []
+        self.restore = "storage"
+        self.persist_step: int | None = None
 
-    def offer(self, addr: str, port: int, last_step: int = -1) -> None:
-        """The address and free port this node offers in case it gets node rank 0, and the
-        last step its workers completed (the master counts the steps a fault cost)."""
+    def offer(
+        self, addr: str, port: int, last_step: int = -1, memory: list[MemoryHolding] | None = None
+    ) -> None:
+        """The address and free port this node offers in case it gets node rank 0, the last
+        step its workers completed (the master counts the steps a fault cost), and the flash
+        checkpoint steps its shared memory holds (the master picks where to restore from)."""
         self.addr, self.port, self.last_step = addr, port, last_step
+        self.memory = list(memory or [])
 
     def _join(self, node: NodeInfo, wait: float) -> JoinReply:
         body = JoinRequest(
-            node_id=node.node_id, addr=self.addr, port=self.port, last_step=self.last_step
+            node_id=node.node_id,
+            addr=self.addr,
+            port=self.port,
+            last_step=self.last_step,
+            memory=self.memory,
         )
         request = urllib.request.Request(
             f"{self._url}{API_PREFIX}/rendezvous/join",
@@ -82,6 +100,7 @@ class MasterRendezvous(RendezvousHandler[MasterRendezvousOptions]):
                 raise RendezvousClosedError(reply.reason or "the job is over")
             if reply.state == "ready" and reply.info is not None:
                 self.restart_count = reply.restart_count
+                self.restore, self.persist_step = reply.restore, reply.persist_step
                 return reply.info
             if time.monotonic() > deadline:
                 raise RendezvousTimeoutError(

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from planaria.checkpoint.segment import remove_segments
 from planaria.durations import Duration
 from planaria.errors import SchedulerError
 from planaria.log import get_logger
@@ -311,6 +312,11 @@ class LocalScheduler(Scheduler[LocalOptions]):
             targets = [self._get(node_id) for node_id in wanted]
         self._release(targets)
         self._terminate(targets, grace=self.options.stop_grace)
+        if node_ids is None:
+            # These nodes share this machine's /dev/shm: whatever an agent killed without a
+            # chance to clean up (and its persister) left there goes with the job.
+            for run_id in {node.spec.run_id for node in targets if node.spec.run_id}:
+                remove_segments(f"/dev/shm/planaria-{run_id}-")
 
     def excluded_hosts(self) -> set[str]:
         return set(self._excluded)

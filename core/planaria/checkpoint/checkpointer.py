@@ -1,0 +1,527 @@
+"""The training side of the flash checkpoint: :class:`Checkpointer`."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from planaria import monitor
+from planaria.checkpoint.env import (
+    KEEP_LAST_ENV,
+    PERSIST_EVERY_ENV,
+    RESTORE_ENV,
+    SEGMENT_ENV,
+    SOCKET_ENV,
+    STORAGE_ENV,
+)
+from planaria.checkpoint.layout import Layout, TensorEntry, dtype_of, plan, rebuild
+from planaria.checkpoint.segment import SHM_DIR, Segment, SegmentError
+from planaria.checkpoint.storage import build_storage
+from planaria.checkpoint.store import CheckpointStore, ShardRecord
+from planaria.errors import CheckpointCorruptError, StorageError
+from planaria.log import get_logger
+
+log = get_logger("checkpoint")
+
+
+META_RESERVE = 1 << 20
+"""Room for the metadata beyond what the first save needs (it grows a little with the step)."""
+
+
+def storage_spec(target: str | os.PathLike[str] | dict[str, Any]) -> dict[str, Any]:
+    """``{backend, options}`` for a path (``local``), a URL (``fsspec``) or a spec as is."""
+    if isinstance(target, dict):
+        return target
+    text = os.fspath(target)
+    if "://" in text and not text.startswith("file://"):
+        return {"backend": "fsspec", "options": {"url": text}}
+    path = text.removeprefix("file://")
+    return {"backend": "local", "options": {"path": str(Path(path).absolute())}}
+
+
+class Checkpointer:
+    """Save a training state to shared memory every step; persist it in the background.
+
+    ``storage`` is a directory, an fsspec URL (``s3://bucket/run``, with ``planaria-fsspec``
+    installed) or a ``{backend, options}`` mapping; under ``planaria run`` it defaults to the job's
+    ``checkpoint.storage``. ``persist_every`` (default: the job's ``checkpoint.persist_every``)
+    decides which saves are also persisted when :meth:`save` is not told.
+
+    Under ``planaria run`` the agent hosts the shared memory and the persister, so a restarted
+    worker restores from memory. Standalone (torchrun, one process), the checkpointer starts
+    its own persister process, and restores from storage after a restart.
+    """
+
+    def __init__(
+        self,
+        storage: str | os.PathLike[str] | dict[str, Any] | None = None,
+        *,
+        keep_last: int | None = None,
+        persist_every: int | None = None,
+    ) -> None:
+        env_storage = os.environ.get(STORAGE_ENV)
+        if storage is None and env_storage is None:
+            raise StorageError(
+                "Checkpointer needs a storage: a directory, a URL or {backend, options} "
+                "(under planaria run it comes from the job's checkpoint.storage)"
+            )
+        self.spec = storage_spec(storage) if storage is not None else json.loads(env_storage or "")
+        self.keep_last = keep_last or int(os.environ.get(KEEP_LAST_ENV, "3"))
+        every = persist_every or int(os.environ.get(PERSIST_EVERY_ENV, "0") or 0)
+        self.persist_every = every
+        self.managed = SOCKET_ENV in os.environ and SEGMENT_ENV in os.environ
+        self._segment: Segment | None = None
+        self._announced: Segment | None = None
+        """The segment the persister has open."""
+        self._signature: tuple[Any, ...] | None = None
+        self._store: CheckpointStore | None = None
+        self._sock: socket.socket | None = None
+        self._reader: Any = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._tmpdir: str | None = None
+        self.last_save_s = 0.0
+        self.restored_from: str | None = None
+        """``"memory"`` or ``"storage"`` after a :meth:`load` that found a step."""
+        if self.managed:
+            self.segment_path = Path(os.environ[SEGMENT_ENV])
+        else:
+            tag = f"planaria-ckpt-{os.getpid()}-rank-{self.rank}"
+            self.segment_path = SHM_DIR / tag
+            atexit.register(self.close)
+
+    # -- identity ------------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank()
+        return int(os.environ.get("RANK", "0"))
+
+    @property
+    def world(self) -> int:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_world_size()
+        return int(os.environ.get("WORLD_SIZE", "1"))
+
+    @property
+    def store(self) -> CheckpointStore:
+        if self._store is None:
+            self._store = CheckpointStore(build_storage(self.spec), self.keep_last)
+        return self._store
+
+    # -- saving --------------------------------------------------------------------------------
+
+    def prepare(self, state: Any) -> None:
+        """Allocate and pre-fault the shared memory for ``state``'s layout in the background,
+        so that the first :meth:`save` copies at memory speed. Optional."""
+        self._ensure_segment(plan(state), background=True)
+
+    def _ensure_segment(self, layout: Layout, *, background: bool) -> Segment:
+        meta_len = len(_meta_bytes(layout, 0))
+        needed = layout.data_bytes + meta_len
+        segment = self._segment
+        if segment is not None and segment.capacity >= needed:
+            return segment
+        if segment is None and self.segment_path.exists():
+            with contextlib.suppress(OSError, SegmentError):
+                reused = Segment.open(self.segment_path, writable=True)
+                if reused.capacity >= needed:
+                    reused.prefault(fresh=False, background=background)
+                    self._segment = reused
+                    return reused
+                reused.close()
+        if segment is not None:
+            segment.close()
+        capacity = layout.data_bytes + max(META_RESERVE, 2 * meta_len)
+        self._segment = Segment.create(self.segment_path, capacity)
+        self._segment.prefault(fresh=True, background=background)
+        return self._segment
+
+    def save(self, step: int, state: Any, persist: bool | None = None) -> None:
+        """Copy ``state`` into shared memory (training blocks only for this copy), report the
+        step to the agent, and hand it to the persister when ``persist`` (default: every
+        ``persist_every`` steps)."""
+        started = time.perf_counter()
+        layout = plan(state)
+        segment = self._ensure_segment(layout, background=False)
+        segment.wait_prefault()
+        rank, world = self.rank, self.world
+        with segment.writing() as (slot, view):
+            for entry, tensor in zip(layout.entries, layout.tensors, strict=True):
+                if entry.nbytes:
+                    dst = view[entry.offset : entry.offset + entry.nbytes]
+                    dst.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+            segment.publish(
+                slot,
+                step=step,
+                rank=rank,
+                world=world,
+                data_len=layout.data_bytes,
+                meta=_meta_bytes(layout, step),
+            )
+        if persist is None:
+            persist = self.persist_every > 0 and step % self.persist_every == 0
+        if persist:
+            self._persist(step)
+        self.last_save_s = time.perf_counter() - started
+        monitor.step(step)
+
+    # -- the persister -------------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        if self._sock is not None:
+            return
+        path = os.environ[SOCKET_ENV] if self.managed else self._start_persister()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(path)
+        self._sock = sock
+        self._reader = sock.makefile("rb")
+        self._request({"op": "hello", "segment": str(self.segment_path)}, "ready")
+        self._announced = self._segment
+
+    def _start_persister(self) -> str:
+        self._tmpdir = tempfile.mkdtemp(prefix="planaria-ckpt-")
+        path = os.path.join(self._tmpdir, "persister.sock")
+        self._process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "planaria.checkpoint.persister",
+                "--socket",
+                path,
+                "--storage",
+                json.dumps(self.spec),
+                "--keep-last",
+                str(self.keep_last),
+                "--parent",
+                str(os.getpid()),
+                "--remove-segments",
+                str(self.segment_path),
+            ],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        assert self._process.stdout is not None
+        ready, _, _ = select.select([self._process.stdout], [], [], 60)
+        line = self._process.stdout.readline() if ready else b""
+        if line.strip() != b"ready":
+            self._process.kill()
+            self._process.wait()
+            raise StorageError(f"the checkpoint persister did not start: {line!r}")
+        return path
+
+    def _request(self, message: dict[str, Any], expect: str) -> dict[str, Any]:
+        assert self._sock is not None
+        self._sock.sendall(json.dumps(message).encode() + b"\n")
+        line = self._reader.readline()
+        if not line:
+            raise StorageError("the checkpoint persister went away")
+        reply: dict[str, Any] = json.loads(line)
+        if reply.get("op") != expect:
+            raise StorageError(f"checkpoint persister: {reply.get('error', reply)}")
+        return reply
+
+    def _persist(self, step: int) -> None:
+        try:
+            self._connect()
+            if self._announced is not self._segment:  # a new (larger) segment replaced it
+                self._request({"op": "hello", "segment": str(self.segment_path)}, "ready")
+                self._announced = self._segment
+            self._request({"op": "persist", "step": step}, "pinned")
+        except (OSError, StorageError) as exc:
+            log.warning("cannot persist", step=step, error=str(exc))
+
+    def wait(self) -> None:
+        """Block until every step handed to the persister is durable (and, on rank 0,
+        committed); :class:`StorageError` with what failed."""
+        if self._sock is None:
+            return
+        reply = self._request({"op": "wait"}, "idle")
+        if reply.get("errors"):
+            raise StorageError("persisting failed: " + "; ".join(reply["errors"]))
+
+    def close(self) -> None:
+        """Wait for pending persists; standalone, stop the persister and free the memory."""
+        with contextlib.suppress(StorageError, OSError):
+            self.wait()
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            self._sock = None
+        if self._process is not None:
+            self._process.terminate()
+            try:
+                self._process.wait(30)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+            self._process = None
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+        if not self.managed:
+            with contextlib.suppress(FileNotFoundError):
+                self.segment_path.unlink()
+        if self._tmpdir is not None:
+            with contextlib.suppress(OSError):
+                os.rmdir(self._tmpdir)
+            self._tmpdir = None
+
+    # -- loading -------------------------------------------------------------------------------
+
+    def load(self, state: Any = None) -> tuple[int, Any] | None:
+        """The newest step every rank can restore: from shared memory when every rank holds
+        it, else the newest committed step that verifies. Tensors of ``state`` (a template,
+        e.g. ``{"model": model.state_dict(), ...}``) are filled in place; others are new.
+        None when there is nothing to restore."""
+        started = time.perf_counter()
+        self.restored_from = None
+        step = self._memory_step()
+        if step is not None:
+            try:
+                restored = self._load_memory(step, state)
+            except (LookupError, SegmentError, ValueError) as exc:
+                log.warning("memory restore failed; using storage", step=step, error=str(exc))
+            else:
+                self.restored_from = "memory"
+                log.info(
+                    "restored from memory",
+                    step=step,
+                    seconds=round(time.perf_counter() - started, 4),
+                )
+                return step, restored
+        result = self._load_storage(state)
+        if result is not None:
+            self.restored_from = "storage"
+            log.info(
+                "restored from storage",
+                step=result[0],
+                seconds=round(time.perf_counter() - started, 4),
+            )
+        return result
+
+    def _open_segment(self) -> Segment | None:
+        if self._segment is None and self.segment_path.exists():
+            try:
+                self._segment = Segment.open(self.segment_path, writable=True)
+            except (OSError, SegmentError) as exc:
+                log.warning("ignoring shared memory", path=str(self.segment_path), error=str(exc))
+                return None
+        return self._segment
+
+    def _memory_step(self) -> int | None:
+        directive = os.environ.get(RESTORE_ENV)
+        if directive is not None:  # decided by the master for every rank at once
+            kind, _, value = directive.partition(":")
+            return int(value) if kind == "memory" and value.lstrip("-").isdigit() else None
+        segment = self._open_segment()
+        rank, world = self.rank, self.world
+        mine = -1
+        if segment is not None:
+            mine = max(
+                (i.step for i in segment.valid() if i.rank == rank and i.world == world),
+                default=-1,
+            )
+        if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            bounds = torch.tensor([mine, -mine], dtype=torch.int64)
+            torch.distributed.all_reduce(bounds, op=torch.distributed.ReduceOp.MAX)
+            if int(bounds[0]) != mine or -int(bounds[1]) != mine:
+                return None
+        elif world > 1:
+            return None  # no way to agree with the other ranks: storage is the safe choice
+        return mine if mine >= 0 else None
+
+    def _load_memory(self, step: int, template: Any) -> Any:
+        segment = self._open_segment()
+        if segment is None:
+            raise LookupError(f"no shared memory at {self.segment_path}")
+        with segment.reading(step) as info:
+            if info.rank != self.rank or info.world != self.world:
+                raise LookupError(
+                    f"memory holds rank {info.rank} of {info.world}, this is rank {self.rank} "
+                    f"of {self.world}"
+                )
+            meta = segment.meta(info)
+            entries = [TensorEntry.from_json(e) for e in meta["tensors"]]
+
+            def tensor(index: int, old: Any) -> Any:
+                entry = entries[index]
+                raw = segment.tensor(info, entry.offset, entry.nbytes)
+                return _fill(raw, entry, old)
+
+            return rebuild(meta["tree"], tensor, template)
+
+    def _load_storage(self, template: Any) -> tuple[int, Any] | None:
+        store = self.store
+        rank, world = self.rank, self.world
+        distributed = (
+            world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+        )
+        for step in store.committed_steps():
+            try:
+                manifest = store.manifest(step)
+                loader = _StorageShards(store, step, manifest)
+                saved_world = int(manifest["world"])
+                primary = rank if rank < saved_world else 0
+                if distributed:
+                    loader.verify([primary])
+                else:  # every rank must reach the same verdict without talking: check all
+                    loader.verify(range(saved_world))
+                ok = True
+            except CheckpointCorruptError as exc:
+                warnings.warn(f"skipping checkpoint step-{step}: {exc}", stacklevel=2)
+                log.warning("skipping corrupt checkpoint", step=step, error=str(exc))
+                ok = False
+            if distributed:
+                flag = torch.tensor([1 if ok else 0])
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+                if ok and not int(flag[0]):
+                    log.warning("another rank rejected checkpoint; trying an older one", step=step)
+                ok = bool(int(flag[0]))
+            if not ok:
+                continue
+            return step, loader.rebuild(primary, template)
+        return None
+
+
+def _meta_bytes(layout: Layout, step: int) -> bytes:
+    return json.dumps({**layout.meta(), "step": step}, separators=(",", ":")).encode()
+
+
+def _target(old: Any, entry: TensorEntry) -> torch.Tensor | None:
+    """The tensor to fill in place for ``entry``: ``old`` (or its local shard) if it fits."""
+    if not isinstance(old, torch.Tensor):
+        return None
+    local = old.to_local() if hasattr(old, "to_local") and type(old).__name__ == "DTensor" else old
+    if tuple(local.shape) == entry.shape and local.dtype == dtype_of(entry.dtype):
+        return local
+    return None
+
+
+def _fill(raw: torch.Tensor, entry: TensorEntry, old: Any) -> torch.Tensor:
+    src = raw.view(dtype_of(entry.dtype)).view(entry.shape) if entry.nbytes else None
+    target = _target(old, entry)
+    if target is not None:
+        if src is not None:
+            target.copy_(src)
+        return old if isinstance(old, torch.Tensor) else target
+    if src is None:
+        return torch.empty(entry.shape, dtype=dtype_of(entry.dtype))
+    return src.clone()
+
+
+class _StorageShards:
+    """One committed step's shards, read and verified on demand."""
+
+    def __init__(self, store: CheckpointStore, step: int, manifest: dict[str, Any]) -> None:
+        self.store = store
+        self.step = step
+        self.manifest = manifest
+        self._shards: dict[int, tuple[ShardRecord, bytes]] = {}
+
+    def verify(self, ranks: Any) -> None:
+        for rank in ranks:
+            self.shard(rank)
+
+    def shard(self, rank: int) -> tuple[ShardRecord, bytes]:
+        if rank not in self._shards:
+            self._shards[rank] = self.store.shard(self.step, rank, self.manifest)
+        return self._shards[rank]
+
+    def entries(self, rank: int) -> list[TensorEntry]:
+        record, _ = self.shard(rank)
+        return [TensorEntry.from_json(e) for e in record.meta["tensors"]]
+
+    def raw(self, rank: int, entry: TensorEntry) -> torch.Tensor:
+        _, data = self.shard(rank)
+        if entry.offset + entry.nbytes > len(data):
+            raise CheckpointCorruptError(
+                f"step-{self.step}/rank-{rank}.bin: tensor {entry.path} lies beyond its end"
+            )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only bytes: every use copies out of them
+            if not entry.nbytes:
+                return torch.empty(0, dtype=torch.uint8)
+            return torch.frombuffer(
+                data, dtype=torch.uint8, count=entry.nbytes, offset=entry.offset
+            )
+
+    def rebuild(self, primary: int, template: Any) -> Any:
+        record, _ = self.shard(primary)
+        entries = self.entries(primary)
+        world = int(self.manifest["world"])
+
+        def tensor(index: int, old: Any) -> Any:
+            entry = entries[index]
+            if entry.global_shape is not None and _is_resharded(old, entry):
+                return _reshard(old, entry, self, world)
+            return _fill(self.raw(primary, entry), entry, old)
+
+        return rebuild(record.meta["tree"], tensor, template)
+
+
+def _is_resharded(old: Any, entry: TensorEntry) -> bool:
+    if old is None or type(old).__name__ != "DTensor":
+        return False
+    from planaria.checkpoint.layout import _local_offset
+
+    gshape, goffset = _local_offset(old)
+    local = tuple(old.to_local().shape)
+    return (gshape, goffset, local) != (entry.global_shape, entry.global_offset, entry.shape)
+
+
+def _reshard(old: Any, entry: TensorEntry, shards: _StorageShards, world: int) -> Any:
+    """Fill a DTensor's local shard from every saved shard that overlaps it."""
+    from planaria.checkpoint.layout import _local_offset
+
+    gshape, goffset = _local_offset(old)
+    if tuple(gshape) != entry.global_shape:
+        raise CheckpointCorruptError(
+            f"{entry.path}: saved with global shape {list(entry.global_shape or ())}, the model "
+            f"has {list(gshape)}"
+        )
+    target = old.to_local()
+    want = [(o, o + n) for o, n in zip(goffset, target.shape, strict=True)]
+    covered = 0
+    for rank in range(world):
+        for other in shards.entries(rank):
+            if other.path != entry.path or other.global_offset is None:
+                continue
+            have = [(o, o + n) for o, n in zip(other.global_offset, other.shape, strict=True)]
+            box = [
+                (max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(want, have, strict=False)
+            ]
+            if any(lo >= hi for lo, hi in box):
+                continue
+            src = shards.raw(rank, other).view(dtype_of(other.dtype)).view(other.shape)
+            src_index = tuple(
+                slice(lo - h0, hi - h0) for (lo, hi), (h0, _) in zip(box, have, strict=False)
+            )
+            dst_index = tuple(
+                slice(lo - w0, hi - w0) for (lo, hi), (w0, _) in zip(box, want, strict=False)
+            )
+            target[dst_index].copy_(src[src_index])
+            volume = 1
+            for lo, hi in box:
+                volume *= hi - lo
+            covered += volume
+    if covered != target.numel():
+        raise CheckpointCorruptError(
+            f"{entry.path}: the saved shards cover {covered} of the {target.numel()} elements "
+            "this rank needs"
+        )
+    return old

@@ -1,0 +1,12 @@
+"""How the agent tells a worker's :class:`Checkpointer` where things are (environment)."""
+
+SOCKET_ENV = "PLANARIA_CKPT_SOCKET"
+"""The node persister's Unix socket."""
+SEGMENT_ENV = "PLANARIA_CKPT_SEGMENT"
+"""This worker's shared-memory segment (it outlives the worker)."""
+RESTORE_ENV = "PLANARIA_CKPT_RESTORE"
+"""The master's decision for this round: ``memory:<step>`` or ``storage``."""
+STORAGE_ENV = "PLANARIA_CKPT_STORAGE"
+"""JSON of the job's ``checkpoint.storage`` section."""
+KEEP_LAST_ENV = "PLANARIA_CKPT_KEEP_LAST"
+PERSIST_EVERY_ENV = "PLANARIA_CKPT_PERSIST_EVERY"

@@ -1,0 +1,337 @@
+"""A rank's shared-memory segment: two slots, each holding one saved step.
+
+File layout (a file in /dev/shm, mode 0600)::
+
+    page 0            header: magic, version, slot capacity, then one descriptor per slot
+    page 1 ...        slot 0: tensor data (aligned), then the JSON metadata
+    ...               slot 1: the same
+
+Why two slots: a save never overwrites the newest complete step, so a worker killed in the middle
+of a save still leaves the previous step whole in memory, and a save never waits for the
+persister, which reads a slot under a shared lock while training writes the other one. The cost is
+twice the state's size in shared memory; waiting instead would put the persister's read time
+(hundreds of ms per GiB) into training's critical path whenever a save follows a persisted one.
+
+Locks are POSIX record locks on each slot's descriptor (``fcntl.lockf``): a writer holds an
+exclusive lock while it copies, a reader a shared one. The kernel drops them when a process
+dies, so a crashed writer or reader never wedges the other. A slot's descriptor is set to
+``WRITING`` before its data changes and to ``VALID`` only after data and metadata are complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import mmap
+import os
+import struct
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+MAGIC = b"PLNRSHM1"
+VERSION = 1
+PAGE = mmap.PAGESIZE
+HEADER = struct.Struct("<8sIIQq")  # magic, version, slots, capacity, creator pid
+DESC = struct.Struct("<IIqqqqqqd")  # state, pad, step, rank, world, seq, data_len, meta_len, time
+DESC_OFFSET = 64
+SLOTS = 2
+EMPTY, WRITING, VALID = 0, 1, 2
+
+SHM_DIR = Path("/dev/shm")
+
+
+class SegmentError(RuntimeError):
+    """A segment that is not ours or cannot hold the state."""
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    slot: int
+    state: int
+    step: int
+    rank: int
+    world: int
+    seq: int
+    data_len: int
+    meta_len: int
+    time: float
+
+    @property
+    def valid(self) -> bool:
+        return self.state == VALID
+
+
+def _page_align(n: int) -> int:
+    return (n + PAGE - 1) // PAGE * PAGE
+
+
+class Segment:
+    """One rank's segment, mapped read-write (the worker) or read-only (persister, agent)."""
+
+    def __init__(self, path: Path, fd: int, mapping: mmap.mmap, capacity: int) -> None:
+        self.path = path
+        self._fd = fd
+        self._map = mapping
+        self.capacity = capacity
+        self._prefault: threading.Thread | None = None
+
+    # -- opening ---------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, path: Path, capacity: int) -> Segment:
+        """A new, empty segment of ``SLOTS`` slots of ``capacity`` bytes (replacing any)."""
+        capacity = _page_align(max(capacity, PAGE))
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, PAGE + SLOTS * capacity)
+            mapping = mmap.mmap(fd, PAGE + SLOTS * capacity)
+            HEADER.pack_into(mapping, 0, MAGIC, VERSION, SLOTS, capacity, os.getpid())
+            for slot in range(SLOTS):
+                DESC.pack_into(
+                    mapping, DESC_OFFSET + slot * DESC.size, EMPTY, 0, -1, 0, 0, 0, 0, 0, 0.0
+                )
+            os.replace(tmp, path)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return cls(path, fd, mapping, capacity)
+
+    @classmethod
+    def open(cls, path: Path, *, writable: bool = False) -> Segment:
+        """An existing segment; :class:`SegmentError` if it is not one."""
+        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            if size < PAGE:
+                raise SegmentError(f"{path} is not a planaria checkpoint segment ({size} bytes)")
+            access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+            mapping = mmap.mmap(fd, size, access=access)
+            magic, version, slots, capacity, _ = HEADER.unpack_from(mapping, 0)
+            if magic != MAGIC or version != VERSION or slots != SLOTS:
+                mapping.close()
+                raise SegmentError(f"{path} is not a planaria checkpoint segment (bad header)")
+            if size != PAGE + SLOTS * capacity:
+                mapping.close()
+                raise SegmentError(f"{path} is truncated: {size} bytes for capacity {capacity}")
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd, mapping, capacity)
+
+    def close(self) -> None:
+        if self._prefault is not None:
+            self._prefault.join()
+        with contextlib.suppress(BufferError, ValueError):
+            self._map.close()
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+    def unlink(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    # -- pre-faulting ----------------------------------------------------------------------
+
+    def prefault(self, *, fresh: bool, background: bool = True) -> None:
+        """Map every page now so that saves copy at memory speed.
+
+        A fresh segment's pages do not exist yet: writing zeros allocates them (torch spreads
+        that over its threads, and releases the GIL). A reused segment already holds pages,
+        perhaps a step to restore: only the page tables are filled, nothing is written."""
+
+        def run() -> None:
+            length = SLOTS * self.capacity
+            if fresh:
+                import torch
+
+                view = torch.frombuffer(self._map, dtype=torch.uint8, count=length, offset=PAGE)
+                view.fill_(0)
+                del view
+            else:
+                try:
+                    self._map.madvise(_MADV_POPULATE_WRITE, PAGE, length)
+                except OSError:  # an older kernel: touching a byte per page does the same
+                    for offset in range(PAGE, PAGE + length, PAGE):
+                        self._map[offset] = self._map[offset]
+
+        if background:
+            self._prefault = threading.Thread(target=run, name="planaria-prefault", daemon=True)
+            self._prefault.start()
+        else:
+            run()
+
+    def wait_prefault(self) -> None:
+        if self._prefault is not None:
+            self._prefault.join()
+            self._prefault = None
+
+    # -- descriptors -----------------------------------------------------------------------
+
+    def info(self, slot: int) -> SlotInfo:
+        fields = DESC.unpack_from(self._map, DESC_OFFSET + slot * DESC.size)
+        state, _, step, rank, world, seq, data_len, meta_len, when = fields
+        return SlotInfo(slot, state, step, rank, world, seq, data_len, meta_len, when)
+
+    def infos(self) -> list[SlotInfo]:
+        return [self.info(slot) for slot in range(SLOTS)]
+
+    def valid(self) -> list[SlotInfo]:
+        """Valid slots, newest first."""
+        return sorted((i for i in self.infos() if i.valid), key=lambda i: -i.seq)
+
+    def _set(self, slot: int, info: SlotInfo) -> None:
+        DESC.pack_into(
+            self._map,
+            DESC_OFFSET + slot * DESC.size,
+            info.state,
+            0,
+            info.step,
+            info.rank,
+            info.world,
+            info.seq,
+            info.data_len,
+            info.meta_len,
+            info.time,
+        )
+
+    # -- locks -----------------------------------------------------------------------------
+
+    def _lock(self, slot: int, kind: int) -> None:
+        fcntl.lockf(self._fd, kind, DESC.size, DESC_OFFSET + slot * DESC.size, os.SEEK_SET)
+
+    def pin(self, step: int) -> SlotInfo:
+        """Hold the slot that has ``step`` under a shared lock, so no save overwrites it until
+        :meth:`unpin`; :class:`LookupError` if no valid slot has it."""
+        for info in self.valid():
+            if info.step != step:
+                continue
+            self._lock(info.slot, fcntl.LOCK_SH)
+            held = self.info(info.slot)  # it may have changed before we held the lock
+            if held.valid and held.step == step and held.seq == info.seq:
+                return held
+            self._lock(info.slot, fcntl.LOCK_UN)
+        raise LookupError(f"{self.path} holds no complete copy of step {step}")
+
+    def unpin(self, info: SlotInfo) -> None:
+        self._lock(info.slot, fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def reading(self, step: int) -> Iterator[SlotInfo]:
+        """:meth:`pin` for the duration of a ``with`` block."""
+        info = self.pin(step)
+        try:
+            yield info
+        finally:
+            self.unpin(info)
+
+    def data(self, info: SlotInfo) -> memoryview:
+        start = PAGE + info.slot * self.capacity
+        return memoryview(self._map)[start : start + info.data_len]
+
+    def meta(self, info: SlotInfo) -> dict[str, Any]:
+        start = PAGE + info.slot * self.capacity + info.data_len
+        raw = bytes(self._map[start : start + info.meta_len])
+        meta: dict[str, Any] = json.loads(raw)
+        return meta
+
+    def tensor(self, info: SlotInfo, offset: int, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor over ``nbytes`` of the slot's data (no copy)."""
+        import torch
+
+        start = PAGE + info.slot * self.capacity + offset
+        if offset + nbytes > info.data_len:
+            raise SegmentError(f"{self.path}: tensor at {offset}+{nbytes} beyond slot data")
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        with warnings.catch_warnings():  # a read-only map: callers only copy out of it
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=start)
+
+    # -- writing (the worker) --------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """Choose a slot that no reader holds, preferring the one without the newest step, and
+        hold it exclusively; yields (slot, a uint8 tensor over its whole capacity). The slot is
+        marked ``WRITING``; :meth:`publish` marks it valid."""
+        valid = self.valid()
+        newest = valid[0].slot if valid else 1
+        order = [1 - newest, newest]
+        chosen = None
+        for slot in order:
+            try:
+                self._lock(slot, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue
+            chosen = slot
+            break
+        if chosen is None:  # both held by readers: wait for the older one
+            chosen = order[0]
+            self._lock(chosen, fcntl.LOCK_EX)
+        try:
+            old = self.info(chosen)
+            self._set(
+                chosen, SlotInfo(chosen, WRITING, -1, old.rank, old.world, old.seq, 0, 0, 0.0)
+            )
+            import torch
+
+            start = PAGE + chosen * self.capacity
+            view = torch.frombuffer(self._map, dtype=torch.uint8, count=self.capacity, offset=start)
+            yield chosen, view
+        finally:
+            self._lock(chosen, fcntl.LOCK_UN)
+
+    def publish(
+        self, slot: int, *, step: int, rank: int, world: int, data_len: int, meta: bytes
+    ) -> SlotInfo:
+        """Write the metadata after the data and mark the slot valid (call inside
+        :meth:`writing`)."""
+        if data_len + len(meta) > self.capacity:
+            raise SegmentError(
+                f"{self.path}: {data_len + len(meta)} bytes do not fit a slot of {self.capacity}"
+            )
+        start = PAGE + slot * self.capacity + data_len
+        self._map[start : start + len(meta)] = meta
+        seq = max(i.seq for i in self.infos()) + 1
+        info = SlotInfo(slot, VALID, step, rank, world, seq, data_len, len(meta), time.time())
+        self._set(slot, info)
+        return info
+
+
+_MADV_POPULATE_WRITE = 23
+
+
+def segment_paths(prefix: str) -> list[Path]:
+    """The segments whose path starts with ``prefix`` (``/dev/shm/planaria-<run>-<node>-``)."""
+    base = Path(prefix)
+    directory, stem = base.parent, base.name
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return sorted(directory / n for n in names if n.startswith(stem) and not n.startswith("."))
+
+
+def remove_segments(prefix: str) -> int:
+    """Remove every segment (and leftover temporary file) under ``prefix``; how many."""
+    base = Path(prefix)
+    removed = 0
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(base.parent):
+            if name.startswith(base.name) or name.startswith(f".{base.name}"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(base.parent / name)
+                    removed += 1
+    return removed
