@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
 KILL = re.compile(r"planaria chaos: kill_worker .* time=(?P<t>[0-9.]+)")
 STEP = re.compile(r"^step (?P<step>\d+) loss \S+ time (?P<t>[0-9.]+)$")
-RESUMED = re.compile(r"^resumed from step (?P<step>\d+)$")
+RESUMED = re.compile(r"^resumed from step (?P<step>\d+)( \((?P<where>\w+)\))?$")
 
 
 @dataclass

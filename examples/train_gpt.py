@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
+from planaria import monitor
 from planaria.checkpoint import Checkpointer
 
 # --------------------------------------------------------------------------- model
@@ -191,6 +192,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--ckpt-every", type=int, default=10, help="persist every N steps (memory: every step)"
     )
+    p.add_argument(
+        "--no-ckpt", action="store_true", help="no checkpoint at all (to measure its cost)"
+    )
     p.add_argument("--out", type=Path, default=None, help="save the final model state_dict here")
     return p.parse_args(argv)
 
@@ -231,15 +235,16 @@ def train(args: argparse.Namespace, rank: int, world: int, distributed: bool) ->
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     start = 0
-    ckpt = checkpointer(args)
-    restored = ckpt.load({"model": model.state_dict(), "optim": optim.state_dict()})
+    ckpt = None if args.no_ckpt else checkpointer(args)
+    template = {"model": model.state_dict(), "optim": optim.state_dict()}
+    restored = None if ckpt is None else ckpt.load(template)
     if restored is not None:  # the model's tensors were filled in place
         step, state = restored
         model.load_state_dict(state["model"])
         optim.load_state_dict(state["optim"])
         start = step + 1
         if rank == 0:
-            print(f"resumed from step {step} ({ckpt.restored_from})", flush=True)
+            print(f"resumed from step {step} ({ckpt and ckpt.restored_from})", flush=True)
 
     ddp: nn.Module = model
     if distributed:
@@ -274,10 +279,14 @@ def train(args: argparse.Namespace, rank: int, world: int, distributed: bool) ->
         # Every step into shared memory (it also reports the step to planaria's agent);
         # every --ckpt-every steps to storage too, in the background.
         persist = args.ckpt_every > 0 and (step + 1) % args.ckpt_every == 0
-        ckpt.save(step, {"model": model.state_dict(), "optim": optim.state_dict()}, persist)
+        if ckpt is not None:
+            ckpt.save(step, {"model": model.state_dict(), "optim": optim.state_dict()}, persist)
+        else:
+            monitor.step(step)
 
-    ckpt.wait()  # the last persisted step is committed before the job reports success
-    ckpt.close()
+    if ckpt is not None:
+        ckpt.wait()  # the last persisted step is committed before the job reports success
+        ckpt.close()
     if rank == 0:
         if args.out is not None:
             atomic_save(model.state_dict(), args.out)

@@ -189,7 +189,16 @@ class Checkpointer:
         sock.connect(path)
         self._sock = sock
         self._reader = sock.makefile("rb")
-        self._request({"op": "hello", "segment": str(self.segment_path)}, "ready")
+        self._hello()
+
+    def _hello(self) -> None:
+        hello = {
+            "op": "hello",
+            "segment": str(self.segment_path),
+            "storage": self.spec,
+            "keep_last": self.keep_last,
+        }
+        self._request(hello, "ready")
         self._announced = self._segment
 
     def _start_persister(self) -> str:
@@ -239,8 +248,7 @@ class Checkpointer:
         try:
             self._connect()
             if self._announced is not self._segment:  # a new (larger) segment replaced it
-                self._request({"op": "hello", "segment": str(self.segment_path)}, "ready")
-                self._announced = self._segment
+                self._hello()
             self._request({"op": "persist", "step": step}, "pinned")
         except (OSError, StorageError) as exc:
             log.warning("cannot persist", step=step, error=str(exc))

@@ -3,10 +3,14 @@
 Under ``planaria run`` the agent starts one per node; a standalone :class:`Checkpointer` starts
 its own. Workers talk to it over a Unix socket in JSON lines::
 
-    -> {"op": "hello", "segment": "/dev/shm/planaria-...-rank-0"}
+    -> {"op": "hello", "segment": "/dev/shm/planaria-...-ckpt-0", "storage": {...}}
     -> {"op": "persist", "step": 120}      <- {"op": "pinned", "step": 120}
                                            or {"op": "error", "step": 120, "error": "..."}
     -> {"op": "wait"}                      <- {"op": "idle", "errors": [...]}
+
+``storage`` (``{backend, options}``, and ``keep_last``) is optional: a worker whose script names its
+own storage brings it; otherwise the storage this persister was started with is used. The choice
+is remembered per segment, so a persist at fault by the agent goes where the worker's go.
 
 ``persist`` answers as soon as the slot holding the step is pinned (a shared lock, so training's
 next saves use the other slot); the shard is written in the background. ``wait`` answers once
@@ -51,6 +55,7 @@ class _Pending:
 class _Connection:
     sock: socket.socket
     segment: Segment | None = None
+    store: CheckpointStore | None = None
     work: queue.Queue[_Pending | None] = field(default_factory=queue.Queue)
     outstanding: int = 0
     commits: set[int] = field(default_factory=set)
@@ -66,10 +71,15 @@ class Persister:
         commit_timeout: float = 600.0,
     ) -> None:
         self.store = store
+        self._stores: dict[str, CheckpointStore] = {}
+        self._segment_stores: dict[str, CheckpointStore] = {}
+        self._stores_lock = threading.Lock()
         self.events = events
         self.commit_timeout = commit_timeout
         self._events_lock = threading.Lock()
-        self._commits: queue.Queue[tuple[int, int, _Connection] | None] = queue.Queue()
+        self._commits: queue.Queue[tuple[CheckpointStore, int, int, _Connection] | None] = (
+            queue.Queue()
+        )
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self._connections: list[_Connection] = []
@@ -133,7 +143,7 @@ class Persister:
                     self._send(conn, {"op": "error", "error": f"bad request {line[:200]!r}"})
                     continue
                 if op == "hello":
-                    self._hello(conn, str(request.get("segment", "")))
+                    self._hello(conn, request)
                 elif op == "persist":
                     self._pin(conn, int(request.get("step", -1)))
                 elif op == "wait":
@@ -145,15 +155,28 @@ class Persister:
         finally:
             conn.work.put(None)
 
-    def _hello(self, conn: _Connection, path: str) -> None:
+    def _store_for(self, path: str, spec: Any, keep_last: Any) -> CheckpointStore:
+        with self._stores_lock:
+            if spec is None:
+                return self._segment_stores.get(path, self.store)
+            key = json.dumps([spec, keep_last], sort_keys=True)
+            if key not in self._stores:
+                keep = int(keep_last) if keep_last is not None else self.store.keep_last
+                self._stores[key] = CheckpointStore(build_storage(spec), keep)
+            self._segment_stores[path] = self._stores[key]
+            return self._stores[key]
+
+    def _hello(self, conn: _Connection, request: dict[str, Any]) -> None:
+        path = str(request.get("segment", ""))
         try:
+            store = self._store_for(path, request.get("storage"), request.get("keep_last"))
             segment = Segment.open(Path(path))
-        except (OSError, PlanariaError, RuntimeError) as exc:
-            self._send(conn, {"op": "error", "error": f"cannot open segment {path}: {exc}"})
+        except (OSError, PlanariaError, RuntimeError, ValueError, TypeError) as exc:
+            self._send(conn, {"op": "error", "error": f"cannot persist {path}: {exc}"})
             return
         if conn.segment is not None:
             conn.segment.close()
-        conn.segment = segment
+        conn.segment, conn.store = segment, store
         self._send(conn, {"op": "ready"})
 
     def _pin(self, conn: _Connection, step: int) -> None:
@@ -189,20 +212,18 @@ class Persister:
                 self._persist(conn, item.info)
 
     def _persist(self, conn: _Connection, info: SlotInfo) -> None:
-        segment = conn.segment
-        assert segment is not None
+        segment, store = conn.segment, conn.store
+        assert segment is not None and store is not None
         started = time.time()
         committing = False
         try:
-            if info.step in self.store.committed_steps():
+            if info.step in store.committed_steps():
                 # Committed already (a persist at fault of a persisted step, or a run that
                 # resumed into the same storage): the committed copy stays untouched.
                 log.info("step already committed; not persisted again", step=info.step)
                 return
             meta = segment.meta(info)
-            record = self.store.write_shard(
-                info.step, info.rank, info.world, segment.data(info), meta
-            )
+            record = store.write_shard(info.step, info.rank, info.world, segment.data(info), meta)
             self.emit(
                 "shard_persisted",
                 step=info.step,
@@ -214,7 +235,7 @@ class Persister:
                 committing = True
                 with conn.lock:
                     conn.commits.add(info.step)
-                self._commits.put((info.step, info.world, conn))
+                self._commits.put((store, info.step, info.world, conn))
         except (OSError, PlanariaError, ValueError) as exc:
             message = f"step {info.step} rank {info.rank}: {exc}"
             self.emit("persist_failed", step=info.step, rank=info.rank, error=str(exc))
@@ -234,9 +255,9 @@ class Persister:
             item = self._commits.get()
             if item is None:
                 return
-            step, world, conn = item
+            store, step, world, conn = item
             try:
-                self._commit(step, world)
+                self._commit(store, step, world)
             except (OSError, PlanariaError, ValueError) as exc:
                 self.emit("persist_failed", step=step, rank=0, error=f"commit: {exc}")
                 with conn.lock:
@@ -246,10 +267,10 @@ class Persister:
                     conn.commits.discard(step)
                     conn.lock.notify_all()
 
-    def _commit(self, step: int, world: int) -> None:
+    def _commit(self, store: CheckpointStore, step: int, world: int) -> None:
         started = time.time()
         delay = 0.01
-        while not self.store.ready_to_commit(step, world):
+        while not store.ready_to_commit(step, world):
             if time.time() - started > self.commit_timeout:
                 raise TimeoutError(
                     f"not every rank's shard arrived within {self.commit_timeout:g}s"
@@ -258,7 +279,7 @@ class Persister:
                 raise TimeoutError("stopped before every rank's shard arrived")
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
-        manifest = self.store.commit(step, world)
+        manifest = store.commit(step, world)
         total = sum(f["size"] for f in manifest["files"].values())
         self.emit(
             "checkpoint_committed",
