@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from planaria.diagnosis.messages import HangReport, HealthReport
 from planaria.master.job import BadReport, Master
 from planaria.protocol import (
     API_PREFIX,
@@ -93,6 +94,14 @@ def make_app(master: Master, token: str, hold: float) -> web.Application:
         master.chaos(await _body(request, ChaosReport))
         return _json(Ack())
 
+    async def hang(request: web.Request) -> web.StreamResponse:
+        master.hang(await _body(request, HangReport))
+        return _json(Ack())
+
+    async def health(request: web.Request) -> web.StreamResponse:
+        master.unhealthy(await _body(request, HealthReport))
+        return _json(Ack())
+
     async def status(request: web.Request) -> web.StreamResponse:
         return _json(master.status())
 
@@ -104,6 +113,8 @@ def make_app(master: Master, token: str, hold: float) -> web.Application:
             web.post(f"{API_PREFIX}/heartbeat", heartbeat),
             web.post(f"{API_PREFIX}/workers", workers),
             web.post(f"{API_PREFIX}/chaos", chaos),
+            web.post(f"{API_PREFIX}/hang", hang),
+            web.post(f"{API_PREFIX}/health", health),
             web.get(f"{API_PREFIX}/status", status),
         ]
     )

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from planaria.diagnosis.stragglers import Straggler
 from planaria.events import EventKind, JobEvent
 
 
@@ -25,6 +26,10 @@ class Fault:
     restart_round: int | None = None
     recovered_at: float | None = None
     first_step_after: int | None = None
+    fault_class: str | None = None
+    """``node``, ``transient`` or ``user`` (:mod:`planaria.diagnosis.classify`)."""
+    reason: str = ""
+    """What the diagnosis matched (a log pattern, a signal, a failed check)."""
 
     @property
     def recovery_s(self) -> float | None:
@@ -47,6 +52,7 @@ class Summary:
     downtime_s: float
     restarts: int
     faults: list[Fault] = field(default_factory=list)
+    stragglers: list[Straggler] = field(default_factory=list)
 
     @property
     def goodput(self) -> float:
