@@ -56,7 +56,8 @@ def truncate(text: str, max_lines: int = MAX_LINES, max_chars: int = MAX_CHARS) 
 
 
 def main_thread_first(dump: str) -> str:
-    """py-spy lists threads in no useful order; the main thread is what a reader wants."""
+    """The threads of a py-spy dump, main thread first (py-spy lists them in no useful order),
+    without its header (the process's command line: a zygote's is long and says nothing)."""
     header: list[str] = []
     threads: list[list[str]] = []
     current: list[str] = []
@@ -72,7 +73,9 @@ def main_thread_first(dump: str) -> str:
     if current:
         threads.append(current)
     threads.sort(key=lambda t: 0 if '"MainThread"' in t[0] else 1)
-    return "\n".join(header + [line for thread in threads for line in thread])
+    if not threads:
+        return "\n".join(header)
+    return "\n".join(line for thread in threads for line in thread)
 
 
 async def _run(argv: list[str], timeout: float) -> tuple[int, str, str]:

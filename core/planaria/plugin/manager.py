@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from importlib.metadata import EntryPoint, entry_points
-from typing import Any
+from typing import Any, cast
 
 import pluggy
 from pydantic import ValidationError
@@ -337,7 +337,7 @@ class PluginManager:
         for impl in self._pm.hook.planaria_fault_patterns.get_hookimpls():
             records: list[FaultPattern] = []
             try:
-                produced: Iterable[object] = impl.function() or ()
+                produced = cast("Iterable[object]", impl.function() or ())
                 for record in produced:
                     if not isinstance(record, FaultPattern):
                         raise TypeError(
