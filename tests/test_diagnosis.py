@@ -15,7 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 from planaria import monitor
-from planaria.chaos import ChaosRule, WorkerChaos
+from planaria.chaos import ChaosRule
 from planaria.config.loader import parse_text
 from planaria.config.resolve import load_raw
 from planaria.diagnosis.classify import Classifier, FaultClass, FaultPattern
@@ -27,7 +27,7 @@ from planaria.diagnosis.stragglers import RankTimes, StepTimes, StragglerDetecto
 from planaria.errors import ConfigError
 from planaria.plugin import hookimpl
 from planaria.plugin.manager import PluginManager
-from planaria.progress import ProgressBoard, Progress
+from planaria.progress import Progress, ProgressBoard
 
 TRACEBACK = """\
 Traceback (most recent call last):

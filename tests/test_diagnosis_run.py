@@ -11,7 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_run import EXAMPLE, events, job, mark, run, weights  # noqa: F401  (mark: a fixture)
+import test_run
+from test_run import EXAMPLE, events, job, run, weights
+
+mark = test_run.mark  # the fixture that checks no process of a run outlives it
 
 torch = pytest.importorskip("torch")
 
@@ -54,7 +57,7 @@ def test_hangs_are_dumped_and_restarted_and_the_weights_are_bitwise_a_clean_runs
         seen = [r for e in every if e["data"]["round"] == round_ for r in e["data"]["ranks"]]
         for info in (r for r in seen if r["rank"] == rank):
             assert info["state"].startswith(state), info
-            assert "check (chaos.py:" in info["stack"], info["stack"]
+            assert "WorkerChaos.check (" in info["stack"], info["stack"]
     faults = [
         f for f in timeline if f["kind"] == "fault_detected" and f["data"]["fault"] != "chaos"
     ]
