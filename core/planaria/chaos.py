@@ -1,9 +1,10 @@
 """Fault injection: rehearse recovery on a real job.
 
 Rules come from the ``chaos:`` config section or ``planaria run --chaos``. Worker-side rules
-(``kill_worker``/``raise_in_worker`` at a step) fire inside the worker, in
-:func:`planaria.monitor.step`, so they hit the exact step; they also work under torchrun when
-``PLANARIA_CHAOS`` is set. Time-based rules and ``kill_node`` fire in the agent.
+(``kill_worker``, ``raise_in_worker``, ``stop_worker``, ``hang_worker`` and ``slow_worker`` at a
+step) fire inside the worker, in :func:`planaria.monitor.step`, so they hit the exact step; they
+also work under torchrun when ``PLANARIA_CHAOS`` is set. Time-based rules and ``kill_node`` fire
+in the agent.
 
 A rule fires in one attempt only: ``attempt`` is the restart count it waits for (0 = the first
 run), so a rule never fires again after the recovery it caused.
@@ -24,7 +25,11 @@ from planaria.durations import Duration
 
 ENV = "PLANARIA_CHAOS"
 
-Kind = Literal["kill_worker", "raise_in_worker", "kill_node"]
+Kind = Literal[
+    "kill_worker", "raise_in_worker", "kill_node", "stop_worker", "hang_worker", "slow_worker"
+]
+# Rules that can only fire inside the worker, at a step.
+_STEP_ONLY = ("raise_in_worker", "stop_worker", "hang_worker", "slow_worker")
 
 
 class ChaosRule(BaseModel):
@@ -39,12 +44,15 @@ class ChaosRule(BaseModel):
     at_step: int | None = Field(default=None, ge=0)
     after: Duration | None = Field(default=None, description="time since the workers started")
     attempt: int = Field(default=0, ge=0, description="the restart count in which it fires")
+    factor: float | None = Field(
+        default=None, gt=1.0, description="slow_worker: how many times slower the rank computes"
+    )
 
     @model_validator(mode="before")
     @classmethod
     def _parse_text(cls, value: Any) -> Any:
         if not isinstance(value, str):
-            return value
+            return _slow_from_the_start(value)
         kind, *pairs = value.split()
         data: dict[str, Any] = {"kind": kind}
         for pair in pairs:
@@ -52,7 +60,7 @@ class ChaosRule(BaseModel):
             if not sep:
                 raise ValueError(f"expected KEY=VALUE after the kind, got {pair!r}")
             data[key] = item
-        return data
+        return _slow_from_the_start(data)
 
     @model_validator(mode="after")
     def _consistent(self) -> ChaosRule:
@@ -64,13 +72,23 @@ class ChaosRule(BaseModel):
         else:
             if self.rank is None or self.node_rank is not None:
                 raise ValueError(f"{self.kind} takes rank (the global rank, not node_rank)")
-            if self.kind == "raise_in_worker" and self.at_step is None:
-                raise ValueError("raise_in_worker fires inside the worker: give at_step")
+            if self.kind in _STEP_ONLY and self.at_step is None:
+                raise ValueError(f"{self.kind} fires inside the worker: give at_step")
+        if (self.kind == "slow_worker") != (self.factor is not None):
+            raise ValueError("slow_worker takes factor (and only slow_worker does)")
         return self
 
     @property
     def in_worker(self) -> bool:
         return self.kind != "kill_node" and self.at_step is not None
+
+
+def _slow_from_the_start(data: Any) -> Any:
+    """A ``slow_worker`` without ``at_step`` is slow from the first step."""
+    slow = isinstance(data, dict) and data.get("kind") == "slow_worker"
+    if slow and data.get("at_step") is None and data.get("after") is None:
+        return {**data, "at_step": 0}
+    return data
 
 
 def worker_rules_env(rules: list[ChaosRule]) -> str:
@@ -79,6 +97,13 @@ def worker_rules_env(rules: list[ChaosRule]) -> str:
 
 class InjectedFault(RuntimeError):
     """Raised in a worker by a ``raise_in_worker`` rule."""
+
+
+def burn(seconds: float) -> None:
+    """Keep this CPU busy for ``seconds`` of this process's CPU time: a slower processor."""
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
 
 
 class WorkerChaos:
@@ -96,8 +121,17 @@ class WorkerChaos:
             if rule.in_worker and rule.rank == rank and rule.attempt == attempt:
                 self.rules.append(rule)
 
-    def check(self, step: int) -> None:
+    def check(self, step: int, busy: float | None = None) -> float:
+        """Fire the rules due at ``step``. ``busy``: the CPU time the step took, without what
+        this returns: the CPU time burnt here by a ``slow_worker`` rule."""
+        burnt = 0.0
         for rule in self.rules:
+            if rule.kind == "slow_worker":
+                assert rule.at_step is not None and rule.factor is not None
+                if step >= rule.at_step and busy is not None:
+                    burnt += (rule.factor - 1.0) * busy
+                    burn((rule.factor - 1.0) * busy)
+                continue
             if rule.at_step == step:
                 message = (
                     f"planaria chaos: {rule.kind} rank={rule.rank} at_step={step} "
@@ -106,4 +140,11 @@ class WorkerChaos:
                 print(message, file=sys.stderr, flush=True)
                 if rule.kind == "kill_worker":
                     os.kill(os.getpid(), signal.SIGKILL)
+                if rule.kind == "stop_worker":  # alive, holding its peers in the next collective
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                    continue
+                if rule.kind == "hang_worker":  # as a deadlock would: never returns
+                    while True:
+                        time.sleep(3600)
                 raise InjectedFault(message)
+        return burnt

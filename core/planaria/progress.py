@@ -5,7 +5,8 @@ each worker maps it and writes its slot on every step (no system call, no lock: 
 slot). The agent reads the slots to show progress, to detect hangs and to time recovery.
 
 Slot layout (little endian, 32 bytes): step (int64), wall time of that step (float64),
-pid (int64), reserved (int64). A step of -1 means "no step yet".
+pid (int64), busy time of that step in nanoseconds (int64). A step of -1 means "no step yet";
+a busy time of -1, "not measured" (the first step of a process has no start to measure from).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ class Progress:
     step: int
     time: float
     pid: int
+    busy: float | None = None
+    """The CPU time (or the busy time the worker gave) of that step, in seconds."""
 
 
 class ProgressBoard:
@@ -43,11 +46,11 @@ class ProgressBoard:
 
     def reset(self) -> None:
         for slot in range(self.slots):
-            SLOT.pack_into(self._map, slot * SLOT.size, -1, 0.0, 0, 0)
+            SLOT.pack_into(self._map, slot * SLOT.size, -1, 0.0, 0, -1)
 
     def read(self, slot: int) -> Progress:
-        step, when, pid, _ = SLOT.unpack_from(self._map, slot * SLOT.size)
-        return Progress(step, when, pid)
+        step, when, pid, busy = SLOT.unpack_from(self._map, slot * SLOT.size)
+        return Progress(step, when, pid, busy / 1e9 if busy >= 0 else None)
 
     def read_all(self) -> list[Progress]:
         return [self.read(slot) for slot in range(self.slots)]
@@ -69,5 +72,6 @@ class ProgressSlot:
         self._offset = slot * SLOT.size
         self._pid = os.getpid()
 
-    def write(self, step: int, when: float) -> None:
-        SLOT.pack_into(self._map, self._offset, step, when, self._pid, 0)
+    def write(self, step: int, when: float, busy: float | None = None) -> None:
+        nanos = -1 if busy is None else max(0, int(busy * 1e9))
+        SLOT.pack_into(self._map, self._offset, step, when, self._pid, nanos)

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from planaria.chaos import ChaosRule
+from planaria.diagnosis.messages import DiagnosisSpec
 from planaria.rendezvous import RendezvousInfo
 
 API_PREFIX = "/v1"
@@ -51,6 +52,7 @@ class JobSpec(Message):
     preload: list[str]
     chaos: list[ChaosRule] = Field(default_factory=list)
     checkpoint: CheckpointSpec | None = None
+    diagnosis: DiagnosisSpec = Field(default_factory=DiagnosisSpec)
 
 
 class RegisterRequest(Message):
@@ -118,6 +120,10 @@ class RankProgress(Message):
     local_rank: int
     step: int
     time: float
+    step_s: float | None = None
+    """Median wall-clock seconds per step over ``diagnosis.straggler_window`` steps."""
+    busy_s: float | None = None
+    """Median busy (CPU, or worker-given) seconds per step over the same window."""
 
 
 class Heartbeat(Message):

@@ -28,7 +28,10 @@ from planaria.agent.workers import (
 )
 from planaria.chaos import ENV as CHAOS_ENV
 from planaria.chaos import ChaosRule, worker_rules_env
-from planaria.errors import RendezvousClosedError
+from planaria.diagnosis.gate import check_node
+from planaria.diagnosis.messages import HangReport, HealthReport
+from planaria.diagnosis.watch import NodeWatch
+from planaria.errors import PlanariaError, RendezvousClosedError
 from planaria.log import bind, get_logger
 from planaria.progress import ENV as PROGRESS_ENV
 from planaria.progress import ProgressBoard
@@ -40,7 +43,6 @@ from planaria.protocol import (
     Heartbeat,
     HeartbeatReply,
     JobSpec,
-    RankProgress,
     RegisterReply,
     RegisterRequest,
     WorkerFailure,
@@ -134,6 +136,8 @@ class Agent:
         self.rdzv = MasterRendezvous(MasterRendezvousOptions(), min_nodes=1, max_nodes=1)
         try:
             while True:
+                if not await self._healthy():
+                    return 0
                 info = await self._join()
                 if info is None:
                     return 0
@@ -147,6 +151,22 @@ class Agent:
             self.board.close()
             if self.checkpoints is not None:
                 await asyncio.to_thread(self.checkpoints.stop)
+
+    async def _healthy(self) -> bool:
+        """Run the job's health checks before joining a round. An unhealthy node does not
+        join: it reports why and leaves, and the master replaces it, avoiding its host."""
+        diagnosis = self.spec.diagnosis
+        failures = await asyncio.to_thread(
+            check_node, diagnosis, self.host, Path(self.spec.workdir)
+        )
+        if not failures:
+            return True
+        log.error("node unhealthy: not joining", failures=[f.model_dump() for f in failures])
+        report = HealthReport(
+            node_id=self.node_id, host=self.host, failures=failures, time=time.time()
+        )
+        await self.client.call("/health", report, Ack)
+        return False
 
     async def _join(self) -> RendezvousInfo | None:
         last = max((p.step for p in self.board.read_all()), default=-1)
@@ -194,7 +214,8 @@ class Agent:
         group = await launcher.spawn(specs)
         started = time.time()
         log.info("workers started", round=info.round, node_rank=info.node_rank, pids=group.pids)
-        round_state = _RoundState(info, started)
+        watch = NodeWatch(spec.diagnosis, self.node_id, info.round, info.rank_offset, started)
+        round_state = _RoundState(info, started, watch)
         waiting = asyncio.ensure_future(group.wait())
         watching = asyncio.ensure_future(self._watch(group, round_state, restart_count))
         beating = asyncio.ensure_future(self._heartbeats(round_state))
@@ -292,10 +313,7 @@ class Agent:
         )
 
     def _beat(self, state: _RoundState, wait: bool) -> Heartbeat:
-        progress = [
-            RankProgress(local_rank=i, step=p.step, time=p.time)
-            for i, p in enumerate(self.board.read_all())
-        ]
+        progress = state.watch.progress(self.board.read_all())
         return Heartbeat(
             node_id=self.node_id,
             round=state.info.round,
@@ -310,7 +328,8 @@ class Agent:
         return reply.action
 
     async def _watch(self, group: WorkerGroup, state: _RoundState, restart_count: int) -> None:
-        """Notice the first step (to time recovery) and fire agent-side chaos rules."""
+        """Notice the first step (to time recovery), hangs and step times, and fire agent-side
+        chaos rules."""
         rules = [r for r in self.spec.chaos if r.attempt == restart_count and not r.in_worker]
         rank_range = range(
             state.info.rank_offset, state.info.rank_offset + self.spec.procs_per_node
@@ -323,6 +342,8 @@ class Agent:
                 state.first_step_time = min(p.time for p in steps)
                 # Tell the master now (it times recovery), not at the next long poll.
                 await self.client.call("/heartbeat", self._beat(state, wait=False), HeartbeatReply)
+            alive = group.running and not state.reported
+            await state.watch.tick(slots, group.pids, alive, self._report_hang)
             top = max((p.step for p in steps), default=-1)
             elapsed = time.time() - state.started
             for rule in list(rules):
@@ -341,6 +362,12 @@ class Agent:
                 else:
                     rules.remove(rule)
 
+    async def _report_hang(self, report: HangReport) -> None:
+        try:
+            await self.client.call("/hang", report, Ack)
+        except PlanariaError as exc:
+            log.error("could not report the hang", error=str(exc))
+
     async def _kill_self(self, rule: ChaosRule) -> None:
         log.warning("chaos: killing this node's agent", rule=rule.model_dump(mode="json"))
         report = ChaosReport(node_id=self.node_id, rule=rule, time=time.time())
@@ -357,9 +384,10 @@ def _failed_by_itself(exit_: WorkerExit) -> bool:
 
 
 class _RoundState:
-    def __init__(self, info: RendezvousInfo, started: float) -> None:
+    def __init__(self, info: RendezvousInfo, started: float, watch: NodeWatch) -> None:
         self.info = info
         self.started = started
+        self.watch = watch
         self.activity: str = "running"
         self.reported = False
         self.first_step_time: float | None = None

@@ -232,6 +232,8 @@ async def _terminate(workers: Sequence[_Worker], sig: int, grace: float) -> None
         w.stopping = True
     for w in workers:
         w.signal(sig)
+        if sig != signal.SIGKILL:
+            w.signal(signal.SIGCONT)  # a stopped worker (SIGSTOP, a debugger) acts on it now
     pending = {w.future for w in workers if not w.done}
     if pending and sig != signal.SIGKILL:
         _, pending = await asyncio.wait(pending, timeout=grace)

@@ -19,6 +19,7 @@ from planaria import log
 from planaria.cli.app import SetOption, app, configure_logging
 from planaria.cli.output import error, out
 from planaria.config import ResolvedConfig, load_raw, read
+from planaria.diagnosis.setup import agent_spec, master_policy
 from planaria.errors import ConfigError, ConfigIssue
 from planaria.events import EventKind, JobEvent
 from planaria.master.job import JobSettings, JobState, Master
@@ -122,14 +123,39 @@ def print_summary(summary: Summary, run_dir: Path) -> None:
     out.print(table)
     if summary.faults:
         faults = Table(title="faults")
-        for column in ("fault", "detail", "action", "restored from", "recovery", "steps lost"):
+        for column in (
+            "fault",
+            "class",
+            "detail",
+            "action",
+            "restored from",
+            "recovery",
+            "steps lost",
+        ):
             faults.add_column(column, overflow="fold")
         for fault in summary.faults:
             recovery = "-" if fault.recovery_s is None else f"{fault.recovery_s:.2f}s"
             lost = "-" if fault.steps_lost is None else str(fault.steps_lost)
+            verdict = f"{fault.fault_class}: {fault.reason}" if fault.fault_class else "-"
             restored = fault.restored_from or "-"
-            faults.add_row(fault.kind, fault.detail, fault.action, restored, recovery, lost)
+            faults.add_row(
+                fault.kind, verdict, fault.detail, fault.action, restored, recovery, lost
+            )
         out.print(faults)
+    if summary.stragglers:
+        slow = Table(title="stragglers")
+        for column in ("rank", "node", "measure", "per step", "others' median", "ratio"):
+            slow.add_column(column)
+        for s in summary.stragglers:
+            slow.add_row(
+                str(s.rank),
+                s.node,
+                s.metric,
+                f"{s.seconds * 1000:.1f} ms",
+                f"{s.others_s * 1000:.1f} ms",
+                f"{s.ratio:.1f}x",
+            )
+        out.print(slow)
     out.print(f"timeline: {run_dir / 'events.jsonl'}\nlogs: {run_dir / 'logs'}")
 
 
@@ -172,6 +198,7 @@ async def _run(resolved: ResolvedConfig, manager: PluginManager) -> tuple[Summar
         preload=job.preload,
         chaos=config.chaos,
         checkpoint=_checkpoint_spec(resolved, run_dir),
+        diagnosis=agent_spec(resolved),
     )
 
     def observe(event: JobEvent) -> None:
@@ -185,6 +212,7 @@ async def _run(resolved: ResolvedConfig, manager: PluginManager) -> tuple[Summar
         node_unit=job.node_unit,
         join_grace=config.rendezvous.join_grace,
         join_timeout=config.rendezvous.join_timeout,
+        diagnosis=master_policy(resolved, manager),
     )
     master = Master(settings, scheduler, run_dir, observe)
     app_ = make_app(master, token, hold=config.master.heartbeat_interval)

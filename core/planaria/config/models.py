@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from planaria.chaos import ChaosRule
+from planaria.diagnosis.classify import FaultPattern
 from planaria.durations import Duration
 from planaria.errors import PluginError
 from planaria.plugin.records import PluginKind
@@ -211,6 +212,25 @@ class DiagnosisSection(Section):
     preflight: bool = False
     hang_timeout: Duration = 300.0
     straggler_factor: float = Field(default=2.0, gt=1.0)
+    first_step_timeout: Duration | None = Field(
+        default=None,
+        description="a hang before the first step of an attempt (start-up, checkpoint "
+        "loading); unset: only hang_timeout, which starts at the first step",
+    )
+    straggler_window: int = Field(
+        default=20, ge=3, description="steps over which each rank's step time is a median"
+    )
+    replace_stragglers: bool = Field(
+        default=False, description="replace the node of a straggler (and avoid its host)"
+    )
+    fault_patterns: list[FaultPattern] = Field(
+        default_factory=list,
+        description="log patterns that classify a worker fault, before the built-in ones",
+    )
+    on_user_error: Literal["restart", "stop"] = Field(
+        default="restart",
+        description="a Python exception with no hardware pattern: restart in place, or stop",
+    )
 
     @model_validator(mode="after")
     def _distinct_names(self) -> DiagnosisSection:

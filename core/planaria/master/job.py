@@ -16,8 +16,11 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from planaria.diagnosis.messages import HangReport, HealthReport
+from planaria.diagnosis.policy import DiagnosisPolicy
 from planaria.events import EventKind, JobEvent
 from planaria.log import get_logger
+from planaria.master.diagnosis import Diagnosis
 from planaria.master.restore import agree
 from planaria.master.rounds import Rounds
 from planaria.master.timeline import Fault, Summary, Timeline
@@ -100,6 +103,7 @@ class JobSettings:
     node_unit: int
     join_grace: float
     join_timeout: float
+    diagnosis: DiagnosisPolicy = field(default_factory=DiagnosisPolicy)
 
 
 class Master:
@@ -139,6 +143,7 @@ class Master:
         self.checkpoints_committed = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scheduler")
         self._tasks: set[asyncio.Task[None]] = set()
+        self.diagnosis = Diagnosis(self, settings.diagnosis)
 
     # -- scheduler ------------------------------------------------------------------------
 
@@ -228,6 +233,7 @@ class Master:
         node = self._touch(beat.node_id)
         if beat.progress:
             node.step = max(p.step for p in beat.progress)
+            self.diagnosis.progress(node, beat)
         if beat.first_step_time is not None and beat.round == self.rounds.round:
             self._first_step(node, beat)
         if not beat.wait:  # a progress update: the node's long poll collects actions
@@ -258,8 +264,9 @@ class Master:
         if not current:
             for failure in [report.failure, *report.also]:
                 self._failure_event(node, report.round, failure, secondary=True)
+            self.diagnosis.late_failures(node, report.round, [report.failure, *report.also])
             return
-        failure = report.failure
+        failure, verdict = self.diagnosis.driver([report.failure, *report.also])
         node.phase = NodePhase.FAILED
         fault = Fault(
             kind="worker_failed",
@@ -270,9 +277,10 @@ class Master:
             action="restart workers in place",
             last_step=report.last_step,
         )
-        for other in report.also:
-            self._failure_event(node, report.round, other, secondary=True)
-        self._restart(fault)
+        for other in [report.failure, *report.also]:
+            if other is not failure:
+                self._failure_event(node, report.round, other, secondary=True)
+        self.diagnosis.act(node, fault, verdict)
 
     def _failure_event(
         self, node: Node, round_: int, failure: WorkerFailure, *, secondary: bool
@@ -289,6 +297,7 @@ class Master:
             signal=failure.signal,
             log_tail=failure.log_tail,
             round=round_,
+            **self.diagnosis.event_fields(failure),
         )
         return detail
 
@@ -300,6 +309,12 @@ class Master:
             fault="chaos",
             rule=report.rule.model_dump(mode="json"),
         )
+
+    def hang(self, report: HangReport) -> None:
+        self.diagnosis.hang(report)
+
+    def unhealthy(self, report: HealthReport) -> None:
+        self.diagnosis.unhealthy(report)
 
     def status(self) -> JobStatus:
         rank_of = {n: i.node_rank for n, i in self.rounds.world.items()}
@@ -378,9 +393,6 @@ class Master:
         )
 
     def _node_lost(self, node: Node, why: str) -> None:
-        in_world = node.node_id in self.rounds.world
-        node.phase = NodePhase.LOST
-        self.rounds.leave(node.node_id)
         fault = Fault(
             kind="node_lost",
             node=node.node_id,
@@ -392,7 +404,18 @@ class Master:
         self.timeline.emit(
             EventKind.FAULT_DETECTED, fault.detail, node=node.node_id, fault="node_lost"
         )
-        task = asyncio.get_running_loop().create_task(self._replace(node))
+        self._lose_node(node, fault, exclude_host=False)
+
+    def _lose_node(self, node: Node, fault: Fault, *, exclude_host: bool) -> None:
+        """Take ``node`` out of the job and ask the scheduler for another (``exclude_host``:
+        never on this host again); restart the world if it was in it."""
+        if node.phase.gone:
+            return
+        in_world = node.node_id in self.rounds.world
+        node.phase = NodePhase.LOST
+        self.rounds.leave(node.node_id)
+        node.send(Action(kind="exit", reason=fault.detail))
+        task = asyncio.get_running_loop().create_task(self._replace(node, exclude_host))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         if in_world and self.state is JobState.RUNNING:
@@ -400,9 +423,11 @@ class Master:
         else:
             self.faults.append(fault)
 
-    async def _replace(self, node: Node) -> None:
+    async def _replace(self, node: Node, exclude_host: bool = False) -> None:
         try:
-            handle = await self._call(self.scheduler.replace, node.node_id, exclude_host=False)
+            handle = await self._call(
+                self.scheduler.replace, node.node_id, exclude_host=exclude_host
+            )
         except Exception as exc:
             log.warning("node replacement failed", node=node.node_id, error=str(exc))
             self.timeline.emit(
@@ -415,6 +440,13 @@ class Master:
         if self.state.terminal:
             return
         self.nodes[handle.node_id] = Node(handle.node_id, handle.host)
+        if exclude_host:
+            self.timeline.emit(
+                EventKind.NODE_EXCLUDED,
+                f"host {node.host} excluded (node {node.node_id})",
+                node=node.node_id,
+                host=node.host,
+            )
         self.timeline.emit(
             EventKind.NODE_REPLACED,
             f"node {node.node_id} replaced by {handle.node_id} on {handle.host}",
@@ -591,6 +623,7 @@ class Master:
             faults=list(self.faults),
             checkpoints=self.checkpoints_committed,
             last_checkpoint=self.committed_step if self.committed_step >= 0 else None,
+            stragglers=list(self.diagnosis.stragglers),
         )
 
 

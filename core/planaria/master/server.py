@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from planaria.diagnosis.messages import HangReport, HealthReport
 from planaria.master.job import BadReport, Master
 from planaria.protocol import (
     API_PREFIX,
@@ -98,6 +99,14 @@ def make_app(master: Master, token: str, hold: float) -> web.Application:
         master.checkpoint_event(await _body(request, CheckpointEvent))
         return _json(Ack())
 
+    async def hang(request: web.Request) -> web.StreamResponse:
+        master.hang(await _body(request, HangReport))
+        return _json(Ack())
+
+    async def health(request: web.Request) -> web.StreamResponse:
+        master.unhealthy(await _body(request, HealthReport))
+        return _json(Ack())
+
     async def status(request: web.Request) -> web.StreamResponse:
         return _json(master.status())
 
@@ -110,6 +119,8 @@ def make_app(master: Master, token: str, hold: float) -> web.Application:
             web.post(f"{API_PREFIX}/workers", workers),
             web.post(f"{API_PREFIX}/chaos", chaos),
             web.post(f"{API_PREFIX}/checkpoint/event", checkpoint),
+            web.post(f"{API_PREFIX}/hang", hang),
+            web.post(f"{API_PREFIX}/health", health),
             web.get(f"{API_PREFIX}/status", status),
         ]
     )

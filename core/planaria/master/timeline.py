@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from planaria.diagnosis.stragglers import Straggler
 from planaria.events import EventKind, JobEvent
 
 
@@ -27,6 +28,10 @@ class Fault:
     first_step_after: int | None = None
     restored_from: str | None = None
     """``memory (step N)`` or ``storage``: where the restarted workers were told to restore."""
+    fault_class: str | None = None
+    """``node``, ``transient`` or ``user`` (:mod:`planaria.diagnosis.classify`)."""
+    reason: str = ""
+    """What the diagnosis matched (a log pattern, a signal, a failed check)."""
 
     @property
     def recovery_s(self) -> float | None:
@@ -52,6 +57,7 @@ class Summary:
     checkpoints: int = 0
     """Flash checkpoints committed to storage."""
     last_checkpoint: int | None = None
+    stragglers: list[Straggler] = field(default_factory=list)
 
     @property
     def goodput(self) -> float:

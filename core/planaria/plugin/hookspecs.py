@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from planaria.diagnosis.classify import FaultPattern
 from planaria.events import JobEvent
 from planaria.plugin import hookspec
 from planaria.plugin.records import (
@@ -77,6 +78,21 @@ class PlanariaSpecs:
             def planaria_checkpoint_storages():
                 yield CheckpointStorageRecord(name="mystore", factory=MyStore,
                                               options=MyStoreOptions, summary="objects on MyStore")
+        """
+        raise NotImplementedError
+
+    @hookspec
+    def planaria_fault_patterns(self) -> Iterable[FaultPattern]:
+        """Register log patterns that classify a failed worker (``node``, ``transient`` or
+        ``user``), checked after the job's ``diagnosis.fault_patterns`` and before the
+        built-in ones. A chip vendor knows its driver's messages.
+
+        Example::
+
+            @planaria.hookimpl
+            def planaria_fault_patterns():
+                yield FaultPattern(pattern=r"MYCHIP-E(?:17|42)\b", kind="node",
+                                   reason="MyChip HBM uncorrectable error")
         """
         raise NotImplementedError
 

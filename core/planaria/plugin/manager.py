@@ -15,11 +15,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from importlib.metadata import EntryPoint, entry_points
-from typing import Any
+from typing import Any, cast
 
 import pluggy
 from pydantic import ValidationError
 
+from planaria.diagnosis.classify import FaultPattern
 from planaria.errors import (
     DuplicatePluginError,
     PluginLoadError,
@@ -328,6 +329,31 @@ class PluginManager:
                 + ", ".join(f"{i.name} ({i.provider})" for i in blocked)
             )
         raise PluginNotFoundError(message)
+
+    def fault_patterns(self) -> list[tuple[str, FaultPattern]]:
+        """Every ``planaria_fault_patterns`` record with its plugin's name. A plugin whose hook
+        raises or returns something else is logged and skipped; the others still count."""
+        found: list[tuple[str, FaultPattern]] = []
+        for impl in self._pm.hook.planaria_fault_patterns.get_hookimpls():
+            records: list[FaultPattern] = []
+            try:
+                produced = cast("Iterable[object]", impl.function() or ())
+                for record in produced:
+                    if not isinstance(record, FaultPattern):
+                        raise TypeError(
+                            "planaria_fault_patterns() must return FaultPattern records, "
+                            f"got {type(record).__name__}"
+                        )
+                    records.append(record)
+            except Exception as exc:
+                log.warning(
+                    "fault patterns of a plugin are skipped",
+                    plugin=impl.plugin_name,
+                    error=_one_line_exception(exc),
+                )
+                continue
+            found += [(impl.plugin_name, record) for record in records]
+        return found
 
     # -- lifecycle hooks -------------------------------------------------------------------
 

@@ -1,0 +1,118 @@
+"""Straggler detection: a rank that works ``factor`` times longer per step than the others.
+
+The agent keeps, per local rank, a window of recent per-step times read from the progress board
+(:class:`StepTimes`) and sends their medians with its heartbeat: two floats per rank, however
+many steps ran. The master compares every rank with the median of the others
+(:class:`StragglerDetector`).
+
+Two measures are compared. The busy time (the CPU time of the step, or what the worker passed
+to ``monitor.step``) finds the slow rank of synchronous data-parallel training, where every rank
+waits for the slowest in each collective so that wall-clock step times are equal everywhere.
+The wall-clock step time finds a slow rank when ranks do not wait for each other.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from planaria.progress import Progress
+
+
+class StepTimes:
+    """Per local rank: the last ``window`` step times, wall-clock and busy, from board reads.
+
+    The agent polls the board; a rank that made several steps between two reads adds their mean.
+    """
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self._last: dict[int, tuple[int, float]] = {}
+        self._wall: dict[int, deque[float]] = {}
+        self._busy: dict[int, deque[float]] = {}
+
+    def observe(self, slots: Sequence[Progress]) -> None:
+        for rank, slot in enumerate(slots):
+            if slot.step < 0:
+                continue
+            last = self._last.get(rank)
+            if last is not None and slot.step > last[0]:
+                wall = self._wall.setdefault(rank, deque(maxlen=self.window))
+                wall.append(max(0.0, slot.time - last[1]) / (slot.step - last[0]))
+                if slot.busy is not None:
+                    self._busy.setdefault(rank, deque(maxlen=self.window)).append(slot.busy)
+            if last is None or slot.step != last[0]:
+                self._last[rank] = (slot.step, slot.time)
+
+    def medians(self, rank: int) -> tuple[float | None, float | None]:
+        """(wall, busy) medians over a full window; None until the window is full."""
+        return _median(self._wall.get(rank), self.window), _median(
+            self._busy.get(rank), self.window
+        )
+
+
+def _median(values: deque[float] | None, window: int) -> float | None:
+    if values is None or len(values) < window:
+        return None
+    return statistics.median(values)
+
+
+@dataclass(frozen=True)
+class RankTimes:
+    node: str
+    local_rank: int
+    wall_s: float | None
+    busy_s: float | None
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A rank flagged as slow: by which measure, its median, and the others' median."""
+
+    rank: int
+    node: str
+    local_rank: int
+    metric: str
+    seconds: float
+    others_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.seconds / self.others_s if self.others_s > 0 else float("inf")
+
+    def describe(self) -> str:
+        return (
+            f"rank {self.rank} (node {self.node}) is a straggler: {self.metric} time "
+            f"{self.seconds * 1000:.1f} ms per step, {self.ratio:.1f}x the other ranks' median "
+            f"({self.others_s * 1000:.1f} ms)"
+        )
+
+
+class StragglerDetector:
+    """Flags each (node, local rank) once per job."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+        self.flagged: set[tuple[str, int]] = set()
+
+    def check(self, times: Mapping[int, RankTimes]) -> list[Straggler]:
+        """``times``: every rank of the running world by global rank. Needs all of them, with
+        full windows, to judge: a rank without numbers yet is no baseline."""
+        if len(times) < 2:
+            return []
+        found = []
+        for metric in ("busy", "wall"):
+            values = {r: getattr(t, f"{metric}_s") for r, t in times.items()}
+            if any(v is None for v in values.values()):
+                continue
+            for rank, value in values.items():
+                t = times[rank]
+                if (t.node, t.local_rank) in self.flagged:
+                    continue
+                others = statistics.median(v for r, v in values.items() if r != rank)
+                if others > 0 and value > self.factor * others:
+                    self.flagged.add((t.node, t.local_rank))
+                    found.append(Straggler(rank, t.node, t.local_rank, metric, value, others))
+        return found
