@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import s3_options
@@ -23,7 +24,9 @@ class FsspecExtras:
         storage.write("obj", [b"old"])
 
         def chunks() -> Iterator[bytes]:
-            yield b"x" * (6 << 20)
+            # Past one part: on S3 a multipart upload has begun, and must be aborted.
+            for _ in range(3):
+                yield b"x" * (6 << 20)
             raise RuntimeError("producer died")
 
         with pytest.raises(RuntimeError, match="producer died"):
@@ -83,6 +86,21 @@ class TestS3(StorageConformance, FsspecExtras):
         storage = build_storage(storage_factory_spec)
         assert isinstance(storage, FsspecStorage)
         return storage
+
+    def test_a_failed_multipart_upload_is_aborted(
+        self, storage: FsspecStorage, bucket: str, s3_client: Any
+    ) -> None:
+        part = int(storage.options.part_size)
+
+        def chunks() -> Iterator[bytes]:
+            yield b"p" * part
+            yield b"q" * part
+            raise RuntimeError("producer died")
+
+        with pytest.raises(RuntimeError):
+            storage.write("step-1.partial/big", chunks())
+        assert s3_client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+        assert s3_client.list_objects_v2(Bucket=bucket).get("KeyCount") == 0
 
 
 class TestFile(StorageConformance, FsspecExtras):

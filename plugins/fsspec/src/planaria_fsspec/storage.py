@@ -47,6 +47,14 @@ ATOMIC_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss
 _COPY_WORKERS = 8
 
 
+class _ProducerFailed(Exception):
+    """The caller's chunks raised ``error``: it is theirs, re-raised as it is, never retried."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def _protocols(fs: AbstractFileSystem) -> set[str]:
     protocol = fs.protocol
     return {protocol} if isinstance(protocol, str) else set(protocol)
@@ -154,6 +162,8 @@ class FsspecStorage(CheckpointStorage[FsspecStorageOptions]):
             ) from exc
         except StorageError:
             raise
+        except _ProducerFailed as failed:
+            raise failed.error from None
         except PermissionError as exc:
             raise StorageError(f"cannot {verb} {where}: permission denied: {exc}") from exc
         except Exception as exc:
@@ -213,8 +223,15 @@ class FsspecStorage(CheckpointStorage[FsspecStorageOptions]):
             self.fs.makedirs(parent, exist_ok=True)
         file = self.fs.open(target, "wb", block_size=int(self.options.part_size))
         written = 0
+        iterator = iter(chunks)
         try:
-            for chunk in chunks:
+            while True:
+                try:
+                    chunk = next(iterator)
+                except StopIteration:
+                    break
+                except Exception as exc:
+                    raise _ProducerFailed(exc) from None
                 view = _byte_view(chunk)
                 if view.nbytes:
                     file.write(view)
