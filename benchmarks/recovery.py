@@ -8,7 +8,12 @@ at its defaults, and with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, the workarou
 restarted workers reaching the killed worker's old store address.
 
 MTTR: from the kill (the time the worker logs just before SIGKILL) to the first step rank 0
-logs after it resumed. Steps lost: steps done before the kill that had to be done again.
+logs after it resumed. Steps lost: steps done before the kill that had to be done again (the
+example saves a flash checkpoint to memory every step: under planaria run it restores from
+memory; torchrun's restarted workers restore from the last persisted step).
+
+It also times the cost of that checkpoint: the median step time of one training process saving
+its state to memory every step, against the same run without a checkpoint.
 
 Run:  python benchmarks/recovery.py [--trials 3] [--steps 60] [--kill-at 30]
 The last line printed is one JSON object with the figures.
@@ -17,6 +22,7 @@ The last line printed is one JSON object with the figures.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -169,6 +175,56 @@ def summarise(name: str, trials: list[Trial]) -> dict[str, object]:
     return {"mttr": mttr, "failed": failed, "steps_lost": lost}
 
 
+def step_time(args: argparse.Namespace, work: Path, checkpoint: bool) -> float:
+    """Median step time of one training process, saving to memory every step or not at all."""
+    command = [
+        sys.executable,
+        str(EXAMPLE),
+        "--steps",
+        str(args.overhead_steps),
+        *args.overhead_model.split(),
+        "--ckpt-every",
+        "0",  # memory only: what every step pays
+        "--ckpt-dir",
+        str(work / "ckpt"),
+    ]
+    if not checkpoint:
+        command.append("--no-ckpt")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PLANARIA_", "RANK"))}
+    proc = subprocess.run(
+        command, cwd=work, env=env, capture_output=True, text=True, timeout=args.timeout
+    )
+    if proc.returncode:
+        raise RuntimeError(f"training failed: {proc.stderr[-500:]}")
+    times = [float(m["t"]) for line in proc.stdout.splitlines() if (m := STEP.match(line))]
+    deltas = [b - a for a, b in itertools.pairwise(times)][5:]  # after warm-up
+    return statistics.median(deltas)
+
+
+def overhead(args: argparse.Namespace) -> dict[str, float]:
+    """Step time with a flash checkpoint to memory every step against no checkpoint."""
+    with_ckpt: list[float] = []
+    without: list[float] = []
+    for trial in range(args.trials):
+        for checkpoint, into in ((False, without), (True, with_ckpt)):  # interleaved
+            work = Path(tempfile.mkdtemp(prefix="planaria-bench-"))
+            try:
+                into.append(step_time(args, work, checkpoint))
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+        print(
+            f"overhead trial {trial + 1}: step {without[-1] * 1e3:.1f} ms without a checkpoint, "
+            f"{with_ckpt[-1] * 1e3:.1f} ms saving to memory every step",
+            flush=True,
+        )
+    base, saved = statistics.median(without), statistics.median(with_ckpt)
+    print(
+        f"{'step time':<28} no checkpoint {base * 1e3:.1f} ms, memory every step "
+        f"{saved * 1e3:.1f} ms: overhead {saved / base - 1:+.1%}"
+    )
+    return {"step_s": base, "step_with_ckpt_s": saved, "ckpt_overhead": saved / base - 1}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=3)
@@ -176,6 +232,12 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=30)
     parser.add_argument("--ckpt-every", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=90.0, help="a run past it hangs")
+    parser.add_argument("--overhead-steps", type=int, default=40)
+    parser.add_argument(
+        "--overhead-model",
+        default="--d-model 256 --layers 4 --heads 8 --seq 64 --batch 8",
+        help="train_gpt.py model arguments for the step-time overhead (one process)",
+    )
     args = parser.parse_args()
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
 
@@ -202,6 +264,7 @@ def main() -> None:
     planaria = summarise("planaria run", trials["planaria run"])
     default = summarise("torchrun (defaults)", trials["torchrun (defaults)"])
     workaround = summarise("torchrun (workaround)", trials["torchrun (workaround)"])
+    cost = overhead(args)
     ratio = (
         None
         if planaria["mttr"] is None or workaround["mttr"] is None
@@ -218,6 +281,7 @@ def main() -> None:
                 "torchrun_default_failed": default["failed"],
                 "torchrun_default_mttr_s": default["mttr"],
                 "trials": args.trials,
+                **cost,
             }
         )
     )

@@ -488,3 +488,89 @@ def test_sharded_dtensor_state_reshards_on_load(tmp_path: Path) -> None:
     loaded = run_ranks(tmp_path, DTENSOR, 3, str(tmp_path / "ckpt"), "load")
     assert all(r["ok"] and r["step"] == 5 and r["from"] == "storage" for r in loaded), loaded
     assert [r["local"] for r in loaded] == [[4, 6], [4, 6], [2, 6]]
+
+
+FSDP2 = textwrap.dedent(
+    """
+    import json, sys
+    import torch, torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from planaria.checkpoint import Checkpointer
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 30), torch.nn.Linear(30, 4))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = Checkpointer(sys.argv[1])
+
+    def full(sd):
+        return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in sd.items()}
+
+    def exp_avg(osd):
+        return full({k: v["exp_avg"] for k, v in osd["state"].items()})
+
+    if sys.argv[2] == "save":
+        model(torch.randn(4, 16)).sum().backward()
+        optim.step()
+        msd, osd = get_state_dict(model, optim)
+        ckpt.save(1, {"model": msd, "optim": osd}, persist=True)
+        ckpt.wait()
+        ref = {"model": full(msd), "exp_avg": exp_avg(osd)}  # collectives: every rank
+        if rank == 0:
+            torch.save(ref, sys.argv[1] + ".ref")
+        out = {"rank": rank}
+    else:
+        msd, osd = get_state_dict(model, optim)  # the template: this world's sharding
+        step, state = ckpt.load({"model": msd, "optim": osd})
+        set_state_dict(
+            model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+        msd, osd = get_state_dict(model, optim)
+        ref = torch.load(sys.argv[1] + ".ref", weights_only=True)
+        out = {
+            "rank": rank,
+            "step": step,
+            "model": all(torch.equal(v, ref["model"][k]) for k, v in full(msd).items()),
+            "optim": all(torch.equal(v, ref["exp_avg"][k]) for k, v in exp_avg(osd).items()),
+        }
+    print(json.dumps(out), flush=True)
+    ckpt.close()
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_fsdp2_model_and_optimizer_saved_by_two_ranks_load_into_three(tmp_path: Path) -> None:
+    run_ranks(tmp_path, FSDP2, 2, str(tmp_path / "ckpt"), "save")
+    loaded = run_ranks(tmp_path, FSDP2, 3, str(tmp_path / "ckpt"), "load")
+    assert loaded == [{"rank": r, "step": 1, "model": True, "optim": True} for r in range(3)]
+
+
+def test_a_killed_standalone_trainer_leaves_nothing_in_shared_memory(tmp_path: Path) -> None:
+    code = textwrap.dedent(
+        f"""
+        import torch
+        from planaria.checkpoint import Checkpointer
+        ckpt = Checkpointer({str(tmp_path / "ckpt")!r})
+        ckpt.save(1, {{"w": torch.ones(1 << 16)}}, persist=True)
+        ckpt.wait()
+        ckpt.save(2, {{"w": torch.ones(1 << 16)}}, persist=True)  # in flight when killed
+        print(ckpt.segment_path, flush=True)
+        import time; time.sleep(600)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    segment = Path(proc.stdout.readline().strip())
+    assert segment.exists()
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10  # the persister notices, finishes step 2, cleans up
+    while segment.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not segment.exists()
+    assert store_at(tmp_path / "ckpt").committed_steps() == [2, 1]

@@ -161,7 +161,7 @@ def test_config_schema_includes_the_plugin_options(site: Path, workdir: Path) ->
 
 
 def test_check_runs_the_plugin_beside_host(site: Path, workdir: Path) -> None:
-    config = write_config(workdir, HOST, loadavg(max_load_per_cpu=1000))
+    config = write_config(workdir, HOST, loadavg(max_load_per_cpu=1000, degraded_load_per_cpu=1000))
     proc = planaria("check", "-c", str(config), "--json", site=site, cwd=workdir)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

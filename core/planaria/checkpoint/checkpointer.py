@@ -147,7 +147,10 @@ class Checkpointer:
             segment.close()
         capacity = layout.data_bytes + max(META_RESERVE, 2 * meta_len)
         self._segment = Segment.create(self.segment_path, capacity)
-        self._segment.prefault(fresh=True, background=background)
+        # Ahead of time (prepare): both slots. In a save: the save itself touches slot 0 (a
+        # new segment's first save goes there); slot 1 is readied meanwhile for the next one.
+        slots = (0, 1) if background else (1,)
+        self._segment.prefault(fresh=True, background=True, slots=slots)
         return self._segment
 
     def save(self, step: int, state: Any, persist: bool | None = None) -> None:
@@ -157,7 +160,6 @@ class Checkpointer:
         started = time.perf_counter()
         layout = plan(state)
         segment = self._ensure_segment(layout, background=False)
-        segment.wait_prefault()
         rank, world = self.rank, self.world
         with segment.writing() as (slot, view):
             for entry, tensor in zip(layout.entries, layout.tensors, strict=True):

@@ -83,6 +83,7 @@ class Segment:
         self._map = mapping
         self.capacity = capacity
         self._prefault: threading.Thread | None = None
+        self._prefaulting: set[int] = set()
 
     # -- opening ---------------------------------------------------------------------------
 
@@ -144,29 +145,36 @@ class Segment:
 
     # -- pre-faulting ----------------------------------------------------------------------
 
-    def prefault(self, *, fresh: bool, background: bool = True) -> None:
-        """Map every page now so that saves copy at memory speed.
+    def prefault(
+        self, *, fresh: bool, background: bool = True, slots: tuple[int, ...] = (0, 1)
+    ) -> None:
+        """Map the pages of ``slots`` now so that saves copy at memory speed.
 
         A fresh segment's pages do not exist yet: writing zeros allocates them (torch spreads
         that over its threads, and releases the GIL). A reused segment already holds pages,
         perhaps a step to restore: only the page tables are filled, nothing is written."""
 
         def run() -> None:
-            length = SLOTS * self.capacity
-            if fresh:
-                import torch
+            for slot in slots:
+                start = PAGE + slot * self.capacity
+                if fresh:
+                    import torch
 
-                view = torch.frombuffer(self._map, dtype=torch.uint8, count=length, offset=PAGE)
-                view.fill_(0)
-                del view
-            else:
+                    view = torch.frombuffer(
+                        self._map, dtype=torch.uint8, count=self.capacity, offset=start
+                    )
+                    view.fill_(0)
+                    del view
+                    continue
                 try:
-                    self._map.madvise(_MADV_POPULATE_WRITE, PAGE, length)
+                    self._map.madvise(_MADV_POPULATE_WRITE, start, self.capacity)
                 except OSError:  # an older kernel: touching a byte per page does the same
-                    for offset in range(PAGE, PAGE + length, PAGE):
+                    for offset in range(start, start + self.capacity, PAGE):
                         self._map[offset] = self._map[offset]
 
+        self.wait_prefault()
         if background:
+            self._prefaulting = set(slots)
             self._prefault = threading.Thread(target=run, name="planaria-prefault", daemon=True)
             self._prefault.start()
         else:
@@ -176,6 +184,7 @@ class Segment:
         if self._prefault is not None:
             self._prefault.join()
             self._prefault = None
+        self._prefaulting = set()
 
     # -- descriptors -----------------------------------------------------------------------
 
@@ -265,7 +274,8 @@ class Segment:
     def writing(self) -> Iterator[tuple[int, torch.Tensor]]:
         """Choose a slot that no reader holds, preferring the one without the newest step, and
         hold it exclusively; yields (slot, a uint8 tensor over its whole capacity). The slot is
-        marked ``WRITING``; :meth:`publish` marks it valid."""
+        marked ``WRITING``; :meth:`publish` marks it valid. A slot still being pre-faulted is
+        waited for; the other one is not."""
         valid = self.valid()
         newest = valid[0].slot if valid else 1
         order = [1 - newest, newest]
@@ -280,6 +290,8 @@ class Segment:
         if chosen is None:  # both held by readers: wait for the older one
             chosen = order[0]
             self._lock(chosen, fcntl.LOCK_EX)
+        if chosen in self._prefaulting:
+            self.wait_prefault()
         try:
             old = self.info(chosen)
             self._set(
