@@ -1,4 +1,5 @@
-"""``planaria check``: run the configured health checks on this node."""
+"""``planaria check``: run the configured health checks on this node; with ``--preflight``, the
+pre-flight node check on the nodes the job would get (:mod:`planaria.master.preflight`)."""
 
 from __future__ import annotations
 
