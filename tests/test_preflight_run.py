@@ -50,7 +50,8 @@ def test_a_failing_and_a_slow_node_are_found_replaced_and_kept_out_of_training(t
     assert stages[:2] == ["round 1", "round 2"] and set(stages[2:]) <= {"newcomer"}
     first = rounds[0]["data"]
     assert {"node-1", "node-2"} <= set(first["suspects"])
-    assert first["suspects"]["node-1"].startswith("slow: matmul")
+    # Slow; or, when it was paired with the failing node, stopped with its group.
+    assert first["suspects"]["node-1"].startswith(("slow: matmul", "its group failed (node-2 "))
     verdicts = {v["node"]: v["verdict"] for v in rounds[1]["data"]["verdicts"]}
     assert verdicts["node-1"] == "straggler" and verdicts["node-2"] == "faulty"
     assert all(v == "cleared" for n, v in verdicts.items() if n not in ("node-1", "node-2"))
