@@ -6,6 +6,11 @@ step) fire inside the worker, in :func:`planaria.monitor.step`, so they hit the 
 also work under torchrun when ``PLANARIA_CHAOS`` is set. Time-based rules and ``kill_node`` fire
 in the agent.
 
+Pre-flight rules (``slow_node``, ``fail_node``) act on the pre-flight node check, which runs
+before node ranks exist: they name a node by the id its scheduler gave it (``node=node-3``; the
+local scheduler numbers nodes in launch order from ``node-0``, replacements after them). They
+apply to every pre-flight benchmark that node runs.
+
 A rule fires in one attempt only: ``attempt`` is the restart count it waits for (0 = the first
 run), so a rule never fires again after the recovery it caused.
 """
@@ -26,10 +31,19 @@ from planaria.durations import Duration
 ENV = "PLANARIA_CHAOS"
 
 Kind = Literal[
-    "kill_worker", "raise_in_worker", "kill_node", "stop_worker", "hang_worker", "slow_worker"
+    "kill_worker",
+    "raise_in_worker",
+    "kill_node",
+    "stop_worker",
+    "hang_worker",
+    "slow_worker",
+    "slow_node",
+    "fail_node",
 ]
 # Rules that can only fire inside the worker, at a step.
 _STEP_ONLY = ("raise_in_worker", "stop_worker", "hang_worker", "slow_worker")
+# Rules that act on the pre-flight node check, on a node named by its id.
+PREFLIGHT = ("slow_node", "fail_node")
 
 
 class ChaosRule(BaseModel):
@@ -45,7 +59,15 @@ class ChaosRule(BaseModel):
     after: Duration | None = Field(default=None, description="time since the workers started")
     attempt: int = Field(default=0, ge=0, description="the restart count in which it fires")
     factor: float | None = Field(
-        default=None, gt=1.0, description="slow_worker: how many times slower the rank computes"
+        default=None,
+        gt=1.0,
+        description="slow_worker, slow_node: how many times slower the rank or node computes",
+    )
+    node: str | None = Field(
+        default=None, min_length=1, description="node id (slow_node, fail_node), e.g. node-3"
+    )
+    how: Literal["raise", "hang"] | None = Field(
+        default=None, description="fail_node: the benchmark raises (default) or never returns"
     )
 
     @model_validator(mode="before")
@@ -64,6 +86,10 @@ class ChaosRule(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> ChaosRule:
+        if self.kind in PREFLIGHT:
+            return self._consistent_preflight()
+        if self.node is not None or self.how is not None:
+            raise ValueError(f"{self.kind} takes no node or how (only slow_node, fail_node do)")
         if (self.at_step is None) == (self.after is None):
             raise ValueError("give exactly one of at_step or after")
         if self.kind == "kill_node":
@@ -78,9 +104,32 @@ class ChaosRule(BaseModel):
             raise ValueError("slow_worker takes factor (and only slow_worker does)")
         return self
 
+    def _consistent_preflight(self) -> ChaosRule:
+        if self.node is None:
+            raise ValueError(f"{self.kind} takes node (the node id, e.g. node=node-3)")
+        extra = [
+            key
+            for key in ("rank", "node_rank", "at_step", "after")
+            if getattr(self, key) is not None
+        ]
+        if extra or self.attempt:
+            keys = ", ".join(extra or ["attempt"])
+            raise ValueError(
+                f"{self.kind} acts on the pre-flight check, before training: it takes no {keys}"
+            )
+        if (self.kind == "slow_node") != (self.factor is not None):
+            raise ValueError("slow_node takes factor (and fail_node does not)")
+        if self.kind == "slow_node" and self.how is not None:
+            raise ValueError("how is for fail_node (raise or hang)")
+        return self
+
     @property
     def in_worker(self) -> bool:
-        return self.kind != "kill_node" and self.at_step is not None
+        return self.kind not in ("kill_node", *PREFLIGHT) and self.at_step is not None
+
+    @property
+    def in_preflight(self) -> bool:
+        return self.kind in PREFLIGHT
 
 
 def _slow_from_the_start(data: Any) -> Any:

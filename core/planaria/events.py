@@ -13,6 +13,8 @@ class EventKind(str, Enum):
     JOB_STARTED = "job_started"
     JOB_FINISHED = "job_finished"
     HEALTH_CHECKED = "health_checked"
+    PREFLIGHT_ROUND = "preflight_round"
+    PREFLIGHT_COMPLETED = "preflight_completed"
     FAULT_DETECTED = "fault_detected"
     WORKERS_RESTARTED = "workers_restarted"
     NODE_REPLACED = "node_replaced"

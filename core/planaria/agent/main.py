@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 
 from planaria.agent.checkpoints import NodeCheckpoints
 from planaria.agent.client import MasterClient
+from planaria.agent.preflight import preflight
 from planaria.agent.workers import (
     GroupResult,
     WorkerExit,
@@ -134,10 +135,17 @@ class Agent:
         )
         warming = asyncio.ensure_future(launcher.start())
         self.rdzv = MasterRendezvous(MasterRendezvousOptions(), min_nodes=1, max_nodes=1)
+        checked = not spec.diagnosis.preflight
         try:
             while True:
                 if not await self._healthy():
                     return 0
+                if not checked:  # once, before the first round this node joins
+                    checked = True
+                    if not await preflight(
+                        self.client, self.node_id, self.host, self.addr, free_port, spec.chaos
+                    ):
+                        return 0
                 info = await self._join()
                 if info is None:
                     return 0
@@ -330,7 +338,11 @@ class Agent:
     async def _watch(self, group: WorkerGroup, state: _RoundState, restart_count: int) -> None:
         """Notice the first step (to time recovery), hangs and step times, and fire agent-side
         chaos rules."""
-        rules = [r for r in self.spec.chaos if r.attempt == restart_count and not r.in_worker]
+        rules = [
+            r
+            for r in self.spec.chaos
+            if r.attempt == restart_count and not r.in_worker and not r.in_preflight
+        ]
         rank_range = range(
             state.info.rank_offset, state.info.rank_offset + self.spec.procs_per_node
         )

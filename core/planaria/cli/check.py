@@ -1,16 +1,22 @@
-"""``planaria check``: run the configured health checks on this node."""
+"""``planaria check``: run the configured health checks on this node; with ``--preflight``, the
+pre-flight node check on the nodes the job would get (:mod:`planaria.master.preflight`)."""
 
 from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import Annotated
 
+import typer
 from rich.table import Table
 
 from planaria.checks.runner import run_checks
 from planaria.cli.app import EXIT_UNHEALTHY, ConfigOption, JsonOption, SetOption, app, load_job
 from planaria.cli.output import err, out, print_json, styled
+from planaria.config import ResolvedConfig
+from planaria.errors import ConfigError, ConfigIssue
 from planaria.health import CheckContext, CheckResult, NodeHealth
+from planaria.plugin.manager import PluginManager
 
 
 def _context(workdir: Path) -> CheckContext:
@@ -29,15 +35,78 @@ def _table(health: NodeHealth) -> Table:
     return table
 
 
+PreflightOption = Annotated[
+    bool,
+    typer.Option(
+        "--preflight",
+        help="instead: get the job's nodes from its scheduler and run the pre-flight node "
+        "check on them, without training",
+    ),
+]
+
+
+def _preflight(resolved: ResolvedConfig, manager: PluginManager, json: bool) -> None:
+    import asyncio
+
+    from planaria.cli.run import _run, preflight_issues, print_preflight
+
+    issues = preflight_issues(resolved, asked=True)
+    if "scheduler" not in resolved.backends:
+        backend = resolved.config.scheduler.backend
+        issues.append(ConfigIssue("scheduler.backend", f"scheduler {backend!r} is not installed"))
+    if issues:
+        raise ConfigError(issues, resolved.source)
+    summary, run_dir = asyncio.run(_run(resolved, manager, preflight_only=True))
+    report = summary.preflight
+    if json and report is None:
+        print_json({"healthy": False, "result": summary.reason})
+    elif json and report is not None:
+        print_json(
+            {
+                "healthy": summary.state == "succeeded",
+                "result": summary.reason,
+                "nodes": report.nodes,
+                "rounds": report.rounds,
+                "baseline": report.baseline,
+                "verdicts": [
+                    {
+                        "node": v.node,
+                        "host": report.hosts.get(v.node),
+                        "verdict": v.kind,
+                        "round_1": v.first,
+                        "detail": v.detail,
+                    }
+                    for v in report.verdicts
+                ],
+                "timeline": str(run_dir / "events.jsonl"),
+            }
+        )
+    else:
+        if report is not None:
+            print_preflight(report)
+        out.print(f"{summary.state}: {summary.reason}")
+        out.print(f"timeline: {run_dir / 'events.jsonl'}\nlogs: {run_dir / 'logs'}")
+    if summary.state != "succeeded":
+        raise SystemExit(EXIT_UNHEALTHY)
+
+
 @app.command("check")
 def check_command(
-    config: ConfigOption = None, set_: SetOption = None, json: JsonOption = False
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    json: JsonOption = False,
+    preflight: PreflightOption = False,
 ) -> None:
-    """Run the configured health checks (default: host) on this node.
+    """Run the configured health checks (default: host) on this node; or, with --preflight,
+    the pre-flight node check on as many nodes as the job asks of its scheduler.
 
-    Exit 0 if healthy, 1 if any check failed or could not run, 2 on a config error.
+    Exit 0 if healthy, 1 if any check failed or could not run (with --preflight: a node was
+    faulty or slow, or the check could not run), 2 on a config error.
     """
-    resolved, _ = load_job(config, set_)
+    resolved, manager = load_job(config, set_)
+    if preflight:
+        _preflight(resolved, manager, json)
+        return
     context = _context(resolved.config.job.workdir)
     done: list[CheckResult] = []
     if json or not err.is_terminal:

@@ -19,10 +19,11 @@ from planaria import log
 from planaria.cli.app import SetOption, app, configure_logging
 from planaria.cli.output import error, out
 from planaria.config import ResolvedConfig, load_raw, read
-from planaria.diagnosis.setup import agent_spec, master_policy
+from planaria.diagnosis.setup import BENCHMARK_PATH, agent_spec, master_policy
 from planaria.errors import ConfigError, ConfigIssue
 from planaria.events import EventKind, JobEvent
 from planaria.master.job import JobSettings, JobState, Master
+from planaria.master.preflight import PreflightReport
 from planaria.master.server import make_app, serve
 from planaria.master.timeline import Summary
 from planaria.plugin.manager import PluginManager
@@ -62,6 +63,7 @@ def _prepare(
                 f"scheduler {resolved.config.scheduler.backend!r} is not installed",
             )
         )
+    issues += preflight_issues(resolved)
     if resolved.config.rendezvous.backend != "master":
         issues.append(
             ConfigIssue(
@@ -71,6 +73,17 @@ def _prepare(
     if issues:
         raise ConfigError(issues, raw.source)
     return resolved, manager
+
+
+def preflight_issues(resolved: ResolvedConfig, asked: bool = False) -> list[ConfigIssue]:
+    """The pre-flight check needs its benchmark installed, when it is on (or ``asked``)."""
+    diagnosis = resolved.config.diagnosis
+    if (diagnosis.preflight or asked) and BENCHMARK_PATH not in resolved.backends:
+        name = diagnosis.preflight_benchmark.backend
+        return [
+            ConfigIssue(f"{BENCHMARK_PATH}.backend", f"node benchmark {name!r} is not installed")
+        ]
+    return []
 
 
 def _run_dir(resolved: ResolvedConfig) -> tuple[str, Path]:
@@ -156,7 +169,29 @@ def print_summary(summary: Summary, run_dir: Path) -> None:
                 f"{s.ratio:.1f}x",
             )
         out.print(slow)
+    if summary.preflight is not None:
+        print_preflight(summary.preflight)
     out.print(f"timeline: {run_dir / 'events.jsonl'}\nlogs: {run_dir / 'logs'}")
+
+
+def print_preflight(report: PreflightReport) -> None:
+    base = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in report.baseline.items()) or "-"
+    title = f"pre-flight: {report.nodes} node(s), {report.rounds} round(s); median {base}" + (
+        "" if report.verdicts else "; every node passed"
+    )
+    table = Table(title=title)
+    for column in ("node", "host", "verdict", "round 1", "detail", "action"):
+        table.add_column(column, overflow="fold")
+    for v in report.verdicts:
+        table.add_row(
+            v.node,
+            report.hosts.get(v.node, "-"),
+            v.kind,
+            v.first,
+            v.detail,
+            report.actions.get(v.node, "-"),
+        )
+    out.print(table)
 
 
 def _checkpoint_spec(resolved: ResolvedConfig, run_dir: Path) -> CheckpointSpec:
@@ -176,7 +211,10 @@ def _checkpoint_spec(resolved: ResolvedConfig, run_dir: Path) -> CheckpointSpec:
     )
 
 
-async def _run(resolved: ResolvedConfig, manager: PluginManager) -> tuple[Summary, Path]:
+async def _run(
+    resolved: ResolvedConfig, manager: PluginManager, preflight_only: bool = False
+) -> tuple[Summary, Path]:
+    """Run the job; ``preflight_only``: only the pre-flight node check (no worker starts)."""
     config = resolved.config
     job = config.job
     run_id, run_dir = _run_dir(resolved)
@@ -187,7 +225,8 @@ async def _run(resolved: ResolvedConfig, manager: PluginManager) -> tuple[Summar
         job=job.name,
         run_id=run_id,
         run_dir=str(run_dir),
-        command=job.command,
+        # The check alone never starts a worker; the launcher wants a command all the same.
+        command=[sys.executable, "-c", "pass"] if preflight_only else job.command,
         workdir=str(job.workdir.absolute()),
         env=job.env,
         procs_per_node=job.procs_per_node,
@@ -195,10 +234,10 @@ async def _run(resolved: ResolvedConfig, manager: PluginManager) -> tuple[Summar
         heartbeat_interval=config.master.heartbeat_interval,
         heartbeat_timeout=config.master.heartbeat_timeout,
         stop_grace=job.stop_grace,
-        preload=job.preload,
+        preload=[] if preflight_only else job.preload,
         chaos=config.chaos,
-        checkpoint=_checkpoint_spec(resolved, run_dir),
-        diagnosis=agent_spec(resolved),
+        checkpoint=None if preflight_only else _checkpoint_spec(resolved, run_dir),
+        diagnosis=agent_spec(resolved, preflight_only),
     )
 
     def observe(event: JobEvent) -> None:
@@ -212,7 +251,7 @@ async def _run(resolved: ResolvedConfig, manager: PluginManager) -> tuple[Summar
         node_unit=job.node_unit,
         join_grace=config.rendezvous.join_grace,
         join_timeout=config.rendezvous.join_timeout,
-        diagnosis=master_policy(resolved, manager),
+        diagnosis=master_policy(resolved, manager, preflight_only),
     )
     master = Master(settings, scheduler, run_dir, observe)
     app_ = make_app(master, token, hold=config.master.heartbeat_interval)

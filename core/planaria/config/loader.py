@@ -222,6 +222,7 @@ _KIND_AT = {
     ("rendezvous",): PluginKind.RENDEZVOUS_BACKEND,
     ("checkpoint", "storage"): PluginKind.CHECKPOINT_STORAGE,
     ("diagnosis", "checks"): PluginKind.HEALTH_CHECK,
+    ("diagnosis", "preflight_benchmark"): PluginKind.NODE_BENCHMARK,
 }
 
 

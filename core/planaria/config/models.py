@@ -207,9 +207,41 @@ class CheckSection(BackendSection):
         return self.name or self.backend
 
 
+class BenchmarkSection(BackendSection):
+    """The pre-flight node benchmark; ``cpu`` is short for ``{backend: cpu}``."""
+
+    kind: ClassVar[PluginKind] = PluginKind.NODE_BENCHMARK
+    backend: str = Field(default="cpu", min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        return {"backend": value} if isinstance(value, str) else value
+
+
 class DiagnosisSection(Section):
     checks: list[CheckSection] = Field(default_factory=lambda: [CheckSection(backend="host")])
-    preflight: bool = False
+    preflight: bool = Field(
+        default=False,
+        description="before training, benchmark every node in small groups; replace faulty "
+        "nodes, report slow ones",
+    )
+    preflight_benchmark: BenchmarkSection = Field(
+        default_factory=BenchmarkSection,
+        description="the node benchmark of the pre-flight check (a plugin; built in: cpu)",
+    )
+    preflight_factor: float | None = Field(
+        default=None,
+        gt=1.0,
+        description="a node is slow above this times the median; default: straggler_factor",
+    )
+    preflight_timeout: Duration = Field(
+        default=60.0, description="one benchmark run: start-up, forming the group, the benchmark"
+    )
+    preflight_replace_stragglers: bool | None = Field(
+        default=None,
+        description="replace the nodes the pre-flight finds slow; default: replace_stragglers",
+    )
     hang_timeout: Duration = 300.0
     straggler_factor: float = Field(default=2.0, gt=1.0)
     first_step_timeout: Duration | None = Field(

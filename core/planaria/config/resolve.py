@@ -27,6 +27,7 @@ BACKEND_PATHS: tuple[tuple[str, ...], ...] = (
     ("scheduler",),
     ("rendezvous",),
     ("checkpoint", "storage"),
+    ("diagnosis", "preflight_benchmark"),
 )
 
 

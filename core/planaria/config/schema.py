@@ -12,6 +12,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from planaria.config.models import (
+    BenchmarkSection,
     CheckSection,
     Config,
     RendezvousSection,
@@ -26,6 +27,7 @@ SECTION_KINDS: dict[type[BaseModel], PluginKind] = {
     SchedulerSection: PluginKind.SCHEDULER,
     RendezvousSection: PluginKind.RENDEZVOUS_BACKEND,
     StorageSection: PluginKind.CHECKPOINT_STORAGE,
+    BenchmarkSection: PluginKind.NODE_BENCHMARK,
 }
 
 

@@ -6,6 +6,19 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from planaria.diagnosis.classify import Classifier
+from planaria.diagnosis.messages import BenchmarkSpec
+
+
+@dataclass(frozen=True)
+class PreflightPolicy:
+    """``diagnosis.preflight*``, as the master runs the pre-flight node check."""
+
+    enabled: bool = False
+    benchmark: BenchmarkSpec | None = None
+    factor: float = 2.0
+    replace_stragglers: bool = False
+    only: bool = False
+    """``planaria check --preflight``: check the nodes, replace none, train nothing."""
 
 
 @dataclass(frozen=True)
@@ -14,3 +27,4 @@ class DiagnosisPolicy:
     straggler_factor: float = 2.0
     replace_stragglers: bool = False
     on_user_error: Literal["restart", "stop"] = "restart"
+    preflight: PreflightPolicy = field(default_factory=PreflightPolicy)

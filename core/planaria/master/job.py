@@ -21,6 +21,7 @@ from planaria.diagnosis.policy import DiagnosisPolicy
 from planaria.events import EventKind, JobEvent
 from planaria.log import get_logger
 from planaria.master.diagnosis import Diagnosis
+from planaria.master.preflight import Preflight
 from planaria.master.restore import agree
 from planaria.master.rounds import Rounds
 from planaria.master.timeline import Fault, Summary, Timeline
@@ -52,6 +53,7 @@ class BadReport(ValueError):
 
 class JobState(str, Enum):
     STARTING = "starting"
+    PREFLIGHT = "preflight"
     RENDEZVOUS = "rendezvous"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
@@ -65,6 +67,7 @@ class JobState(str, Enum):
 class NodePhase(str, Enum):
     LAUNCHED = "launched"
     REGISTERED = "registered"
+    PREFLIGHT = "preflight"
     JOINED = "joined"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
@@ -144,6 +147,7 @@ class Master:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scheduler")
         self._tasks: set[asyncio.Task[None]] = set()
         self.diagnosis = Diagnosis(self, settings.diagnosis)
+        self.preflight = Preflight(self, settings.diagnosis.preflight)
 
     # -- scheduler ------------------------------------------------------------------------
 
@@ -155,7 +159,10 @@ class Master:
         handles = await self._call(self.scheduler.launch, spec, self.settings.max_nodes)
         for handle in handles:
             self.nodes[handle.node_id] = Node(handle.node_id, handle.host)
-        self._open_round()
+        if self.preflight.finished:
+            self._open_round()
+        else:  # the first round opens once the pre-flight check is done
+            self.state = JobState.PREFLIGHT
         self.timeline.emit(
             EventKind.JOB_STARTED,
             f"job {self.spec.job} started: {len(handles)} node(s) requested",
@@ -406,16 +413,20 @@ class Master:
         )
         self._lose_node(node, fault, exclude_host=False)
 
-    def _lose_node(self, node: Node, fault: Fault, *, exclude_host: bool) -> None:
+    def _lose_node(
+        self, node: Node, fault: Fault, *, exclude_host: bool, replace: bool = True
+    ) -> None:
         """Take ``node`` out of the job and ask the scheduler for another (``exclude_host``:
-        never on this host again); restart the world if it was in it."""
+        never on this host again; ``replace=False``: only release it); restart the world if it
+        was in it."""
         if node.phase.gone:
             return
         in_world = node.node_id in self.rounds.world
         node.phase = NodePhase.LOST
         self.rounds.leave(node.node_id)
         node.send(Action(kind="exit", reason=fault.detail))
-        task = asyncio.get_running_loop().create_task(self._replace(node, exclude_host))
+        work = self._replace(node, exclude_host) if replace else self._release(node, fault)
+        task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         if in_world and self.state is JobState.RUNNING:
@@ -453,6 +464,34 @@ class Master:
             node=node.node_id,
             replacement=handle.node_id,
         )
+
+    def replacing(self) -> bool:
+        """Whether a replacement asked of the scheduler has not come back yet."""
+        return any(not task.done() for task in self._tasks)
+
+    async def _release(self, node: Node, fault: Fault) -> None:
+        """Stop ``node`` and ask for none in its place."""
+        try:
+            await self._call(self.scheduler.stop, [node.node_id])
+        except Exception as exc:
+            log.warning("stopping a node failed", node=node.node_id, error=str(exc))
+        self.timeline.emit(
+            EventKind.NODE_REPLACED,
+            f"node {node.node_id} ({node.host}) stopped, not replaced: {fault.action}",
+            node=node.node_id,
+            ok=False,
+        )
+
+    def _preflight_done(self, *, faulty: int, stragglers: int, message: str) -> None:
+        """The pre-flight check is over: open the first round, or, when it was all the job
+        had to do (``planaria check --preflight``), finish with its verdict."""
+        if self.state.terminal:
+            return
+        if self.settings.diagnosis.preflight.only:
+            ok = faulty == 0 and stragglers == 0
+            self._finish(JobState.SUCCEEDED if ok else JobState.FAILED, message)
+            return
+        self._open_round()
 
     def _open_round(self) -> int:
         self._round_settled.set()  # waiters of the old round re-join the new one
@@ -591,8 +630,11 @@ class Master:
                     # A node still pending is the scheduler's business; the rendezvous
                     # timeout covers one that never comes.
                     late = now - node.last_seen > self.spec.heartbeat_timeout
+                    late = late and not self.preflight.busy(node.node_id)
                     if late and node.phase is not NodePhase.LAUNCHED and not node.phase.gone:
                         self._node_lost(node, f"no heartbeat for {self.spec.heartbeat_timeout:g}s")
+                if self.state is JobState.PREFLIGHT:
+                    self.preflight.tick(now)
                 self._maybe_close()
                 self._maybe_grow()
                 continue
@@ -624,6 +666,7 @@ class Master:
             checkpoints=self.checkpoints_committed,
             last_checkpoint=self.committed_step if self.committed_step >= 0 else None,
             stragglers=list(self.diagnosis.stragglers),
+            preflight=self.preflight.report if self.settings.diagnosis.preflight.enabled else None,
         )
 
 

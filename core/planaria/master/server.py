@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from planaria.diagnosis.messages import HangReport, HealthReport
+from planaria.diagnosis.messages import HangReport, HealthReport, PreflightPoll, PreflightResult
 from planaria.master.job import BadReport, Master
 from planaria.protocol import (
     API_PREFIX,
@@ -107,6 +107,13 @@ def make_app(master: Master, token: str, hold: float) -> web.Application:
         master.unhealthy(await _body(request, HealthReport))
         return _json(Ack())
 
+    async def preflight_next(request: web.Request) -> web.StreamResponse:
+        return _json(await master.preflight.next(await _body(request, PreflightPoll), hold))
+
+    async def preflight_result(request: web.Request) -> web.StreamResponse:
+        master.preflight.result(await _body(request, PreflightResult))
+        return _json(Ack())
+
     async def status(request: web.Request) -> web.StreamResponse:
         return _json(master.status())
 
@@ -121,6 +128,8 @@ def make_app(master: Master, token: str, hold: float) -> web.Application:
             web.post(f"{API_PREFIX}/checkpoint/event", checkpoint),
             web.post(f"{API_PREFIX}/hang", hang),
             web.post(f"{API_PREFIX}/health", health),
+            web.post(f"{API_PREFIX}/preflight/next", preflight_next),
+            web.post(f"{API_PREFIX}/preflight/result", preflight_result),
             web.get(f"{API_PREFIX}/status", status),
         ]
     )

@@ -6,9 +6,13 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from planaria.diagnosis.stragglers import Straggler
 from planaria.events import EventKind, JobEvent
+
+if TYPE_CHECKING:
+    from planaria.master.preflight import PreflightReport
 
 
 @dataclass
@@ -58,6 +62,8 @@ class Summary:
     """Flash checkpoints committed to storage."""
     last_checkpoint: int | None = None
     stragglers: list[Straggler] = field(default_factory=list)
+    preflight: PreflightReport | None = None
+    """The pre-flight node check, when the job ran one."""
 
     @property
     def goodput(self) -> float:

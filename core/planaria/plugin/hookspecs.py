@@ -21,6 +21,7 @@ from planaria.plugin import hookspec
 from planaria.plugin.records import (
     CheckpointStorageRecord,
     HealthCheckRecord,
+    NodeBenchmarkRecord,
     RendezvousBackendRecord,
     SchedulerRecord,
 )
@@ -78,6 +79,23 @@ class PlanariaSpecs:
             def planaria_checkpoint_storages():
                 yield CheckpointStorageRecord(name="mystore", factory=MyStore,
                                               options=MyStoreOptions, summary="objects on MyStore")
+        """
+        raise NotImplementedError
+
+    @hookspec
+    def planaria_node_benchmarks(self) -> Iterable[NodeBenchmarkRecord]:
+        """Register node benchmarks for the pre-flight node check, selected by
+        ``diagnosis.preflight_benchmark``. The core's ``cpu`` one times a torch matmul and a
+        gloo allreduce; a chip vendor brings one for its device and collective library.
+
+        Example::
+
+            @planaria.hookimpl
+            def planaria_node_benchmarks():
+                yield NodeBenchmarkRecord(
+                    name="mychip", factory=MyChipBenchmark, options=MyChipBenchOptions,
+                    summary="MyChip GEMM and a MyCCL allreduce",
+                )
         """
         raise NotImplementedError
 

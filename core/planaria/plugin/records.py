@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
+from planaria.benchmark import NodeBenchmark
 from planaria.health import HealthCheck
 from planaria.rendezvous import RendezvousHandler
 from planaria.scheduler import Scheduler
@@ -31,6 +32,7 @@ class PluginKind(str, Enum):
     SCHEDULER = "scheduler"
     RENDEZVOUS_BACKEND = "rendezvous_backend"
     CHECKPOINT_STORAGE = "checkpoint_storage"
+    NODE_BENCHMARK = "node_benchmark"
 
     @property
     def label(self) -> str:
@@ -112,11 +114,19 @@ class CheckpointStorageRecord(PluginRecord):
     factory: type[CheckpointStorage]  # type: ignore[type-arg]  # pydantic rejects type[X[Any]]
 
 
+class NodeBenchmarkRecord(PluginRecord):
+    """``NodeBenchmarkRecord(name="cpu", factory=CpuBenchmark, options=CpuOptions, summary=...)``"""
+
+    kind: ClassVar[PluginKind] = PluginKind.NODE_BENCHMARK
+    factory: type[NodeBenchmark]  # type: ignore[type-arg]  # pydantic rejects type[X[Any]]
+
+
 RECORD_TYPES: dict[PluginKind, type[PluginRecord]] = {
     PluginKind.HEALTH_CHECK: HealthCheckRecord,
     PluginKind.SCHEDULER: SchedulerRecord,
     PluginKind.RENDEZVOUS_BACKEND: RendezvousBackendRecord,
     PluginKind.CHECKPOINT_STORAGE: CheckpointStorageRecord,
+    PluginKind.NODE_BENCHMARK: NodeBenchmarkRecord,
 }
 
 # Names whose provider is well known: an unknown-name error tells the user what to install.
@@ -133,4 +143,5 @@ WELL_KNOWN: dict[PluginKind, dict[str, str]] = {
     },
     PluginKind.RENDEZVOUS_BACKEND: {},
     PluginKind.CHECKPOINT_STORAGE: {"fsspec": "planaria-fsspec"},
+    PluginKind.NODE_BENCHMARK: {},
 }

@@ -1,0 +1,1 @@
+"""The built-in node benchmarks (registered through the ``planaria`` entry-point group)."""

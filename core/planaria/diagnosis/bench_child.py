@@ -1,0 +1,61 @@
+"""The child process in which an agent runs one pre-flight benchmark.
+
+``python -m planaria.diagnosis.bench_child PARENT_PID`` reads a :class:`BenchmarkRun` on stdin,
+binds the benchmark to this node's installed plugins, runs it and prints the result on one
+stdout line that starts with :data:`MARKER`. A benchmark that raises exits 1 with its traceback
+on stderr. The agent kills the process when it overruns its timeout; the process also dies with
+the agent (``PR_SET_PDEATHSIG``), so a hung benchmark never outlives its node.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from planaria.benchmark import BenchmarkContext, NodeBenchmark
+from planaria.chaos import InjectedFault
+from planaria.diagnosis.messages import BenchmarkRun
+from planaria.plugin.manager import PluginManager
+from planaria.plugin.records import NodeBenchmarkRecord, PluginKind
+
+MARKER = "planaria-benchmark-result "
+
+
+def run(order: BenchmarkRun) -> str:
+    task = order.task
+    if order.fail is not None:
+        message = f"planaria chaos: fail_node node={order.node_id} how={order.fail} ({task.stage})"
+        print(message, file=sys.stderr, flush=True)
+        if order.fail == "hang":  # as a wedged device would: never returns
+            while True:
+                time.sleep(3600)
+        raise InjectedFault(message)
+    spec = task.benchmark
+    manager = PluginManager.from_entry_points(disable=spec.disable_plugins)
+    record = manager.resolve(PluginKind.NODE_BENCHMARK, spec.backend)
+    assert isinstance(record, NodeBenchmarkRecord)
+    benchmark: NodeBenchmark[Any] = record.factory(record.options.model_validate(spec.options))
+    context = BenchmarkContext(
+        node_id=order.node_id,
+        host=order.host,
+        rank=task.rank,
+        world_size=len(task.members),
+        master_addr=task.master_addr,
+        master_port=task.master_port,
+        timeout=spec.timeout,
+        slow_factor=order.slow_factor,
+    )
+    result = benchmark.run(context)
+    return MARKER + result.model_dump_json()
+
+
+def main(argv: list[str]) -> None:
+    from planaria.agent.zygote import die_with_parent
+
+    die_with_parent(int(argv[0]))
+    print(run(BenchmarkRun.model_validate_json(sys.stdin.read())), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

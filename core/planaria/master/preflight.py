@@ -1,0 +1,480 @@
+"""The master's side of the pre-flight node check: groups, orders, results, verdicts, actions.
+
+Before the first training round, every agent (once healthy) long-polls ``/preflight/next``.
+The session gathers the nodes the way a rendezvous round does (all of them, or at least ``min``
+once nobody came for ``join_grace``), hands each node an order to run the benchmark in a group,
+collects the results (``/preflight/result``; a result that does not come by the group's
+deadline is a timeout), and judges them with :mod:`planaria.diagnosis.preflight`: round 1, then
+round 2 for the suspects only. Faulty nodes are excluded and replaced; their replacements, and
+nodes that came late, are checked next to a known-good node before anyone trains. Then the
+nodes are told ``done`` and the master opens the first rendezvous round.
+
+A node that registers once training runs (a replacement at run time) skips the pre-flight: the
+health checks still gate every round it joins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from planaria.diagnosis.messages import (
+    PreflightOrder,
+    PreflightPoll,
+    PreflightResult,
+    PreflightTask,
+)
+from planaria.diagnosis.policy import PreflightPolicy
+from planaria.diagnosis.preflight import (
+    NEWCOMER,
+    Outcome,
+    Verdict,
+    baseline,
+    groups_of,
+    judge,
+    regroup,
+    suspects_of,
+)
+from planaria.events import EventKind
+from planaria.log import get_logger
+from planaria.master.timeline import Fault
+
+if TYPE_CHECKING:
+    from planaria.master.job import Master, Node
+
+log = get_logger("master.preflight")
+
+GRACE = 10.0
+"""How long after its benchmark's timeout a group's results may still arrive."""
+
+
+@dataclass
+class _Group:
+    name: str
+    stage: str
+    members: list[str]
+    deadline: float
+    aborted: str = ""
+    """Why the members still running should stop: a member failed, the group cannot pass."""
+    results: dict[str, Outcome] = field(default_factory=dict)
+    raw: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.results) == len(self.members)
+
+
+@dataclass
+class PreflightReport:
+    """What the summary shows: how many nodes, in how many rounds, and the verdicts."""
+
+    nodes: int = 0
+    rounds: int = 0
+    baseline: dict[str, float] = field(default_factory=dict)
+    verdicts: list[Verdict] = field(default_factory=list)
+    hosts: dict[str, str] = field(default_factory=dict)
+    actions: dict[str, str] = field(default_factory=dict)
+
+
+class Preflight:
+    def __init__(self, master: Master, policy: PreflightPolicy) -> None:
+        self.master = master
+        self.policy = policy
+        self.stage = "gathering"
+        self.finished = not policy.enabled
+        self.started = time.time()
+        self.last_arrival = self.started
+        self.settled_at = 0.0
+        self.arrived: dict[str, float] = {}
+        self.offers: dict[str, tuple[str, int]] = {}
+        self.orders: dict[str, PreflightTask] = {}
+        self.groups: dict[str, _Group] = {}
+        self.closed: list[_Group] = []
+        self.good: list[str] = []
+        self.checked: set[str] = set()
+        self.first_why: dict[str, str] = {}
+        self.pool: list[Outcome] = []
+        """What the known-good nodes measured: the yardstick of round 2 and newcomers."""
+        self.replaced = 0
+        self.report = PreflightReport()
+        self._numbers = 0
+        self._judged: set[str] = set()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def busy(self, node_id: str) -> bool:
+        """Whether the node is running a benchmark (and so not polling)."""
+        return any(node_id in g.members and node_id not in g.results for g in self.groups.values())
+
+    async def next(self, poll: PreflightPoll, hold: float) -> PreflightOrder:
+        from planaria.master.job import NodePhase
+
+        master = self.master
+        node = master._touch(poll.node_id)
+        if poll.running is not None:
+            return await self._watch(node, poll.running, hold)
+        self.offers[poll.node_id] = (poll.addr, poll.port)
+        now = time.time()
+        if not self.finished and poll.node_id not in self.arrived:
+            self.arrived[poll.node_id] = self.last_arrival = now
+            node.phase = NodePhase.PREFLIGHT
+            self.tick(now)
+        deadline = now + hold
+        while True:
+            if master.state.terminal or node.phase.gone:
+                return PreflightOrder(state="exit", reason=master.reason or "replaced")
+            task = self.orders.pop(poll.node_id, None)
+            if task is not None:
+                return PreflightOrder(state="run", task=task)
+            if self.finished:
+                return PreflightOrder(state="done")
+            remaining = deadline - time.time()
+            if remaining <= 0:
+                return PreflightOrder(state="wait", reason=f"pre-flight: {self.stage}")
+            node.wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(node.wake.wait(), remaining)
+
+    async def _watch(self, node: Node, name: str, hold: float) -> PreflightOrder:
+        """A node running its benchmark asks whether to go on: ``abort`` once a member of
+        its group failed (its peers would only wait for it until the timeout)."""
+        deadline = time.time() + hold
+        while True:
+            group = self.groups.get(name)
+            if group is None or group.aborted or self.master.state.terminal:
+                why = group.aborted if group else "the group was closed"
+                return PreflightOrder(state="abort", reason=why)
+            remaining = deadline - time.time()
+            if remaining <= 0:
+                return PreflightOrder(state="wait")
+            node.wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(node.wake.wait(), remaining)
+
+    def result(self, result: PreflightResult) -> None:
+        from planaria.master.job import BadReport
+
+        self.master._touch(result.node_id)
+        group = self.groups.get(result.group)
+        if group is None or result.node_id not in group.members:
+            if any(g.name == result.group for g in self.closed):
+                return  # late: the group was judged without it (a timeout)
+            raise BadReport(f"no pre-flight group {result.group!r} with node {result.node_id!r}")
+        group.results[result.node_id] = Outcome(
+            result.node_id, result.status, dict(result.measures), result.error
+        )
+        group.raw[result.node_id] = result.model_dump(mode="json", exclude={"node_id", "group"})
+        if result.status != "ok" and not group.aborted:
+            group.aborted = f"{result.node_id} {result.status}: {result.error}"[:300]
+            for member in group.members:
+                self.master.nodes[member].wake.set()
+        self.tick(time.time())
+
+    # -- the session ------------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        if self.finished or self.master.state.terminal:
+            return
+        for group in list(self.groups.values()):
+            for member in group.members:
+                if member not in group.results and self._gone(member):
+                    group.results[member] = Outcome(member, "lost", {}, "the node was lost")
+            if group.complete or now > group.deadline:
+                self._close(group)
+        if self.groups:
+            return
+        if self.stage == "gathering":
+            self._gather(now)
+        elif self.stage == "round 1":
+            self._after_round_1(now)
+        elif self.stage == "round 2":
+            self._after_round_2(now)
+        else:
+            self._newcomers(now)
+
+    def _gone(self, node_id: str) -> bool:
+        node = self.master.nodes.get(node_id)
+        return node is None or node.phase.gone
+
+    def _gather(self, now: float) -> None:
+        settings = self.master.settings
+        expected = {n.node_id for n in self.master.nodes.values() if not n.phase.gone}
+        here = [n for n in self.arrived if n in expected]
+        everyone = bool(here) and expected <= set(here)
+        enough = len(here) >= settings.min_nodes and now - self.last_arrival >= settings.join_grace
+        if everyone or enough:
+            self._start("round 1", groups_of(here))
+        elif now - self.started > settings.join_timeout:
+            self.master.fail(
+                f"pre-flight: {len(here)} node(s) came within {settings.join_timeout:g}s, at "
+                f"least {settings.min_nodes} needed"
+            )
+
+    def _after_round_1(self, now: float) -> None:
+        groups = self._stage_groups("round 1")
+        outcomes = [[g.results[m] for m in g.members] for g in groups]
+        self.report.baseline = baseline(o for group in outcomes for o in group)
+        good, suspects = suspects_of(outcomes, self.policy.factor)
+        self.pool = [o for group in outcomes for o in group if o.node in good]
+        self.good = [n for n in good if not self._gone(n)]
+        self.checked.update(good)
+        self.first_why = suspects
+        self._round_event("round 1", groups, suspects=suspects)
+        # Failed groups first: they need a good partner to test the collective; a slow node's
+        # compute is timed alone just as well.
+        left = sorted(
+            (n for n in suspects if not self._gone(n)), key=lambda n: suspects[n].startswith("slow")
+        )
+        if left:
+            self._start("round 2", regroup(left, self.good))
+        else:
+            self._settle(now)
+
+    def _after_round_2(self, now: float) -> None:
+        groups = self._stage_groups("round 2")
+        verdicts = [self._verdict(g, self.first_why[g.members[-1]]) for g in groups]
+        self._round_event("round 2", groups, verdicts=verdicts)
+        for verdict in verdicts:
+            self._act(verdict)
+        self._settle(now)
+
+    def _newcomers(self, now: float) -> None:
+        for group in self._stage_groups(NEWCOMER, fresh=True):
+            verdict = self._verdict(group, NEWCOMER)
+            self._round_event(NEWCOMER, [group], verdicts=[verdict])
+            self._act(verdict)
+        waiting = [n for n in self.arrived if n not in self.checked and not self._gone(n)]
+        if waiting:
+            good = [n for n in self.good if not self._gone(n)]
+            self._start(NEWCOMER, regroup(waiting, good))
+            return
+        coming = [
+            n.node_id
+            for n in self.master.nodes.values()
+            if not n.phase.gone and n.node_id not in self.checked
+        ]
+        late = now - self.settled_at > self.master.settings.join_timeout
+        if (coming or self.master.replacing()) and not late:
+            return
+        if coming:
+            log.warning("pre-flight: nodes did not come; they skip it", nodes=coming)
+        self._finish()
+
+    def _verdict(self, group: _Group, first: str) -> Verdict:
+        suspect = group.members[-1]
+        partner = group.members[0] if len(group.members) > 1 else None
+        if partner is not None and group.results[partner].ok:
+            self.pool.append(group.results[partner])
+        verdict = judge(group.results[suspect], self.pool, self.policy.factor, first, partner)
+        if verdict.kind == "cleared":
+            self.pool.append(group.results[suspect])
+        return verdict
+
+    def _settle(self, now: float) -> None:
+        self.stage = NEWCOMER
+        self.settled_at = now
+        self._newcomers(now)
+
+    def _stage_groups(self, stage: str, fresh: bool = False) -> list[_Group]:
+        groups = [g for g in self.closed if g.stage == stage]
+        if fresh:
+            groups = [g for g in groups if g.name not in self._judged]
+            self._judged.update(g.name for g in groups)
+        return groups
+
+    def _start(self, stage: str, groups: list[list[str]]) -> None:
+        self.stage = stage
+        if stage != NEWCOMER:
+            self.report.rounds += 1
+        spec = self.policy.benchmark
+        assert spec is not None
+        deadline = time.time() + spec.timeout + GRACE
+        for members in groups:
+            self._numbers += 1
+            name = f"{stage.replace(' ', '')}.{self._numbers}"
+            addr, port = self.offers[members[0]]
+            self.groups[name] = _Group(name, stage, members, deadline)
+            for rank, member in enumerate(members):
+                self.orders[member] = PreflightTask(
+                    group=name,
+                    stage=stage,
+                    members=members,
+                    rank=rank,
+                    master_addr=addr,
+                    master_port=port,
+                    benchmark=spec,
+                )
+                self.master.nodes[member].wake.set()
+        log.info("pre-flight groups formed", stage=stage, groups=groups)
+
+    def _close(self, group: _Group) -> None:
+        del self.groups[group.name]
+        for member in group.members:
+            self.orders.pop(member, None)
+            if member not in group.results:
+                timeout = self.policy.benchmark.timeout if self.policy.benchmark else 0.0
+                group.results[member] = Outcome(
+                    member, "timeout", {}, f"no result within {timeout + GRACE:g}s"
+                )
+        self.closed.append(group)
+
+    # -- verdicts ---------------------------------------------------------------------------
+
+    def _act(self, verdict: Verdict) -> None:
+        master = self.master
+        self.checked.add(verdict.node)
+        node = master.nodes[verdict.node]
+        self.report.verdicts.append(verdict)
+        self.report.hosts[verdict.node] = node.host
+        if node.phase.gone:
+            self.report.actions[verdict.node] = "none (the node was lost meanwhile)"
+            return
+        if verdict.kind == "cleared":
+            self.good.append(verdict.node)
+            self.report.actions[verdict.node] = "none"
+            return
+        if verdict.kind == "faulty":
+            detail = f"node {node.node_id} ({node.host}) failed the pre-flight check: "
+            detail += verdict.detail
+            master.timeline.emit(
+                EventKind.FAULT_DETECTED,
+                detail,
+                node=node.node_id,
+                fault="preflight",
+                fault_class="node",
+                reason=verdict.detail,
+                first=verdict.first,
+                host=node.host,
+            )
+            self._remove(node, detail, verdict)
+            return
+        slow = verdict.slow
+        assert slow is not None
+        replace = self.policy.replace_stragglers and not self.policy.only
+        detail = f"node {node.node_id} ({node.host}) is slow in the pre-flight check: "
+        detail += verdict.detail
+        master.timeline.emit(
+            EventKind.STRAGGLER_DETECTED,
+            detail,
+            node=node.node_id,
+            preflight=True,
+            metric=slow.measure,
+            seconds=slow.seconds,
+            others_s=slow.baseline,
+            ratio=slow.ratio,
+            factor=self.policy.factor,
+            first=verdict.first,
+            host=node.host,
+            action="replace the node" if replace else "none (report only)",
+        )
+        if replace:
+            self._remove(node, detail, verdict)
+        else:
+            self.report.actions[verdict.node] = "none (report only)"
+
+    def _remove(self, node: Node, detail: str, verdict: Verdict) -> None:
+        fault = Fault(
+            kind="preflight",
+            node=node.node_id,
+            detail=detail,
+            time=time.time(),
+            action=f"replace the node, exclude host {node.host}",
+            fault_class="node",
+            reason=f"pre-flight: {verdict.kind}",
+        )
+        if self.policy.only:
+            fault.action = "none (planaria check --preflight reports only)"
+            self.master.faults.append(fault)
+        elif self.replaced >= self.master.settings.max_nodes:
+            fault.action = (
+                f"stop the node, no replacement: the pre-flight replaced {self.replaced} "
+                "node(s) already"
+            )
+            self.master._lose_node(node, fault, exclude_host=True, replace=False)
+        else:
+            self.replaced += 1
+            self.master._lose_node(node, fault, exclude_host=True)
+        self.report.actions[node.node_id] = fault.action
+
+    # -- events -----------------------------------------------------------------------------
+
+    def _round_event(
+        self,
+        stage: str,
+        groups: list[_Group],
+        suspects: dict[str, str] | None = None,
+        verdicts: list[Verdict] | None = None,
+    ) -> None:
+        summary = "; ".join(
+            f"{'+'.join(g.members)}: "
+            + ", ".join(f"{o.node} {o.describe()}" for o in g.results.values())
+            for g in groups
+        )
+        if suspects is not None:
+            found = ", ".join(f"{n} ({why})" for n, why in suspects.items()) or "none"
+            message = f"pre-flight {stage}: {len(groups)} group(s); suspects: {found}"
+        else:
+            found = ", ".join(f"{v.node} {v.kind}" for v in verdicts or [])
+            message = f"pre-flight {stage}: {found}"
+        self.master.timeline.emit(
+            EventKind.PREFLIGHT_ROUND,
+            message,
+            stage=stage,
+            groups=[
+                {"group": g.name, "members": g.members, "results": self._results(g)} for g in groups
+            ],
+            baseline=self.report.baseline,
+            suspects=suspects or {},
+            verdicts=[_verdict_json(v) for v in verdicts or []],
+            results=summary,
+        )
+
+    @staticmethod
+    def _results(group: _Group) -> dict[str, dict[str, Any]]:
+        out = {}
+        for node, outcome in group.results.items():
+            raw = group.raw.get(node) or {"status": outcome.status, "error": outcome.error}
+            out[node] = raw
+        return out
+
+    def _finish(self) -> None:
+        self.finished = True
+        self.stage = "done"
+        report = self.report
+        report.baseline = baseline(self.pool)
+        report.nodes = len(self.checked)
+        faulty = [v for v in report.verdicts if v.kind == "faulty"]
+        slow = [v for v in report.verdicts if v.kind == "straggler"]
+        cleared = [v for v in report.verdicts if v.kind == "cleared"]
+
+        def names(vs: list[Verdict]) -> str:
+            return ", ".join(f"{v.node} ({report.hosts[v.node]})" for v in vs) or "none"
+
+        message = (
+            f"pre-flight: {report.nodes} node(s) checked in {report.rounds} round(s); faulty: "
+            f"{names(faulty)}; stragglers: {names(slow)}; cleared: {names(cleared)}"
+        )
+        self.master.timeline.emit(
+            EventKind.PREFLIGHT_COMPLETED,
+            message,
+            nodes=sorted(self.checked),
+            rounds=report.rounds,
+            baseline=report.baseline,
+            verdicts=[
+                {**_verdict_json(v), "host": report.hosts[v.node], "action": report.actions[v.node]}
+                for v in report.verdicts
+            ],
+        )
+        for node in self.master.nodes.values():
+            node.wake.set()
+        self.master._preflight_done(faulty=len(faulty), stragglers=len(slow), message=message)
+
+
+def _verdict_json(v: Verdict) -> dict[str, Any]:
+    data: dict[str, Any] = {"node": v.node, "verdict": v.kind, "detail": v.detail, "first": v.first}
+    if v.slow is not None:
+        data.update(metric=v.slow.measure, seconds=v.slow.seconds, ratio=v.slow.ratio)
+    return data
