@@ -85,8 +85,16 @@ class Checkpointer:
         self.managed = SOCKET_ENV in os.environ and SEGMENT_ENV in os.environ
         self._segment: Segment | None = None
         self._announced: Segment | None = None
+        self._prefault_after_save = False
+        self._wrote = False
+        """Whether this process saved into the segment (its pages are mapped here)."""
         """The segment the persister has open."""
         self._signature: tuple[Any, ...] | None = None
+        """The layout of the last save; while it stays the same, its views and metadata are
+        reused."""
+        self._tensors_json = b"[]"
+        self._views_segment: Segment | None = None
+        self._views: dict[int, list[torch.Tensor | None]] = {}
         self._store: CheckpointStore | None = None
         self._sock: socket.socket | None = None
         self._reader: Any = None
@@ -127,10 +135,10 @@ class Checkpointer:
     def prepare(self, state: Any) -> None:
         """Allocate and pre-fault the shared memory for ``state``'s layout in the background,
         so that the first :meth:`save` copies at memory speed. Optional."""
-        self._ensure_segment(plan(state), background=True)
+        layout = plan(state)
+        self._ensure_segment(layout, len(_meta_bytes(layout, 0)), background=True)
 
-    def _ensure_segment(self, layout: Layout, *, background: bool) -> Segment:
-        meta_len = len(_meta_bytes(layout, 0))
+    def _ensure_segment(self, layout: Layout, meta_len: int, *, background: bool) -> Segment:
         needed = layout.data_bytes + meta_len
         segment = self._segment
         if segment is not None and segment.capacity >= needed:
@@ -144,13 +152,17 @@ class Checkpointer:
                     return reused
                 reused.close()
         if segment is not None:
+            self._views, self._views_segment = {}, None  # views would keep the old map open
             segment.close()
         capacity = layout.data_bytes + max(META_RESERVE, 2 * meta_len)
         self._segment = Segment.create(self.segment_path, capacity)
-        # Ahead of time (prepare): both slots. In a save: the save itself touches slot 0 (a
-        # new segment's first save goes there); slot 1 is readied meanwhile for the next one.
-        slots = (0, 1) if background else (1,)
-        self._segment.prefault(fresh=True, background=True, slots=slots)
+        if background:  # ahead of time (prepare): both slots
+            self._segment.prefault(fresh=True, background=True)
+        else:
+            # In a save: the save itself touches slot 0 (a new segment's first save goes
+            # there); slot 1 is readied once it returns, not meanwhile (the two would compete
+            # for the same memory bandwidth and cores).
+            self._prefault_after_save = True
         return self._segment
 
     def save(self, step: int, state: Any, persist: bool | None = None) -> None:
@@ -159,21 +171,40 @@ class Checkpointer:
         ``persist_every`` steps)."""
         started = time.perf_counter()
         layout = plan(state)
-        segment = self._ensure_segment(layout, background=False)
+        signature = layout.signature()
+        same = signature == self._signature
+        if not same:
+            self._tensors_json = _tensors_json(layout)
+        meta = _meta_bytes(layout, step, self._tensors_json)
+        segment = self._ensure_segment(layout, len(meta), background=False)
+        if not same or segment is not self._views_segment:
+            self._signature, self._views_segment, self._views = signature, segment, {}
         rank, world = self.rank, self.world
         with segment.writing() as (slot, view):
-            for entry, tensor in zip(layout.entries, layout.tensors, strict=True):
-                if entry.nbytes:
-                    dst = view[entry.offset : entry.offset + entry.nbytes]
-                    dst.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+            # The same layout as the last save (the usual case): reuse the slot's views.
+            targets = self._views.get(slot)
+            if targets is None:
+                targets = self._views[slot] = [
+                    view[e.offset : e.offset + e.nbytes].view(dtype_of(e.dtype)).view(e.shape)
+                    if e.nbytes
+                    else None
+                    for e in layout.entries
+                ]
+            for target, tensor in zip(targets, layout.tensors, strict=True):
+                if target is not None:
+                    target.copy_(tensor)
             segment.publish(
                 slot,
                 step=step,
                 rank=rank,
                 world=world,
                 data_len=layout.data_bytes,
-                meta=_meta_bytes(layout, step),
+                meta=meta,
             )
+        self._wrote = True
+        if self._prefault_after_save:
+            self._prefault_after_save = False
+            segment.prefault(fresh=True, background=True, slots=(1,))
         if persist is None:
             persist = self.persist_every > 0 and step % self.persist_every == 0
         if persist:
@@ -232,6 +263,10 @@ class Checkpointer:
         if line.strip() != b"ready":
             self._process.kill()
             self._process.wait()
+            self._process = None
+            with contextlib.suppress(OSError):
+                os.rmdir(self._tmpdir)
+            self._tmpdir = None
             raise StorageError(f"the checkpoint persister did not start: {line!r}")
         return path
 
@@ -280,6 +315,7 @@ class Checkpointer:
                 self._process.kill()
                 self._process.wait()
             self._process = None
+        self._views, self._views_segment = {}, None
         if self._segment is not None:
             self._segment.close()
             self._segment = None
@@ -333,11 +369,14 @@ class Checkpointer:
                 return None
         return self._segment
 
+    @staticmethod
+    def _memory_step_directive() -> int | None:
+        kind, _, value = os.environ.get(RESTORE_ENV, "").partition(":")
+        return int(value) if kind == "memory" and value.lstrip("-").isdigit() else None
+
     def _memory_step(self) -> int | None:
-        directive = os.environ.get(RESTORE_ENV)
-        if directive is not None:  # decided by the master for every rank at once
-            kind, _, value = directive.partition(":")
-            return int(value) if kind == "memory" and value.lstrip("-").isdigit() else None
+        if RESTORE_ENV in os.environ:  # decided by the master for every rank at once
+            return self._memory_step_directive()
         segment = self._open_segment()
         rank, world = self.rank, self.world
         mine = -1
@@ -367,13 +406,26 @@ class Checkpointer:
                 )
             meta = segment.meta(info)
             entries = [TensorEntry.from_json(e) for e in meta["tensors"]]
+            reads: list[tuple[torch.Tensor, int]] = []
 
             def tensor(index: int, old: Any) -> Any:
                 entry = entries[index]
+                target = _target(old, entry)
+                if (
+                    not self._wrote  # a restarted worker: nothing of the segment mapped here
+                    and target is not None
+                    and entry.nbytes
+                    and target.device.type == "cpu"
+                    and target.is_contiguous()
+                ):
+                    reads.append((target, entry.offset))
+                    return old
                 raw = segment.tensor(info, entry.offset, entry.nbytes)
                 return _fill(raw, entry, old)
 
-            return rebuild(meta["tree"], tensor, template)
+            restored = rebuild(meta["tree"], tensor, template)
+            segment.read_into(info, reads)
+            return restored
 
     def _load_storage(self, template: Any) -> tuple[int, Any] | None:
         store = self.store
@@ -408,8 +460,15 @@ class Checkpointer:
         return None
 
 
-def _meta_bytes(layout: Layout, step: int) -> bytes:
-    return json.dumps({**layout.meta(), "step": step}, separators=(",", ":")).encode()
+def _tensors_json(layout: Layout) -> bytes:
+    return json.dumps([e.to_json() for e in layout.entries], separators=(",", ":")).encode()
+
+
+def _meta_bytes(layout: Layout, step: int, tensors: bytes | None = None) -> bytes:
+    """The slot's metadata: ``{"tensors": [...], "tree": ..., "step": N}``."""
+    tree = json.dumps(layout.tree, separators=(",", ":")).encode()
+    tensors = _tensors_json(layout) if tensors is None else tensors
+    return b'{"tensors":' + tensors + b',"tree":' + tree + b',"step":' + str(step).encode() + b"}"
 
 
 def _target(old: Any, entry: TensorEntry) -> torch.Tensor | None:

@@ -51,9 +51,12 @@ class LayoutError(TypeError):
     """A value that a flash checkpoint cannot hold; the message names its path in the state."""
 
 
+_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
+    name = _NAMES.get(dtype)
+    if name is None:
         raise LayoutError(f"tensors of dtype {dtype} cannot be saved in a flash checkpoint")
     return name
 
@@ -65,7 +68,7 @@ def dtype_of(name: str) -> torch.dtype:
         raise LayoutError(f"unknown tensor dtype {name!r} in checkpoint metadata") from None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a save builds hundreds, and frozen init is slower
 class TensorEntry:
     """One tensor's place in the flat buffer."""
 
@@ -165,22 +168,14 @@ def plan(state: Any) -> Layout:
 
     def add(path: str, tensor: torch.Tensor, dtensor: Any = None) -> dict[str, int]:
         nonlocal offset
-        if tensor.device.type != "cpu":
-            tensor = tensor.detach()  # copied device-to-host at save time
-        if tensor.is_sparse or tensor.layout != torch.strided:
+        if tensor.layout != torch.strided:
             raise LayoutError(f"{path}: sparse tensors cannot be saved in a flash checkpoint")
         nbytes = tensor.numel() * tensor.element_size()
         gshape = goffset = None
         if dtensor is not None:
             gshape, goffset = _local_offset(dtensor)
         entry = TensorEntry(
-            path=path,
-            dtype=dtype_name(tensor.dtype),
-            shape=tuple(tensor.shape),
-            offset=offset,
-            nbytes=nbytes,
-            global_shape=gshape,
-            global_offset=goffset,
+            path, dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes, gshape, goffset
         )
         offset = _align(offset + nbytes)
         layout.entries.append(entry)

@@ -40,7 +40,7 @@ from planaria.checkpoint.segment import Segment, SlotInfo, remove_segments
 from planaria.checkpoint.storage import build_storage
 from planaria.checkpoint.store import CheckpointStore
 from planaria.errors import PlanariaError
-from planaria.log import get_logger
+from planaria.log import configure, get_logger
 
 log = get_logger("persister")
 
@@ -308,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--remove-segments", default="", help="segment prefix to remove at exit")
     parser.add_argument("--commit-timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
+    # Logs go to stderr: stdout carries the "ready" handshake of a standalone persister.
+    configure(stream=sys.stderr)
 
     try:
         storage = build_storage(json.loads(args.storage))
