@@ -205,7 +205,7 @@ def overhead(args: argparse.Namespace) -> dict[str, float]:
     """Step time with a flash checkpoint to memory every step against no checkpoint."""
     with_ckpt: list[float] = []
     without: list[float] = []
-    for trial in range(args.trials):
+    for trial in range(args.overhead_trials):
         for checkpoint, into in ((False, without), (True, with_ckpt)):  # interleaved
             work = Path(tempfile.mkdtemp(prefix="planaria-bench-"))
             try:
@@ -218,11 +218,14 @@ def overhead(args: argparse.Namespace) -> dict[str, float]:
             flush=True,
         )
     base, saved = statistics.median(without), statistics.median(with_ckpt)
+    # Each trial pairs two runs made one after the other: the median of their ratios is less
+    # exposed to the machine's drift than the ratio of the medians.
+    cost = statistics.median(w / b for w, b in zip(with_ckpt, without, strict=True)) - 1
     print(
         f"{'step time':<28} no checkpoint {base * 1e3:.1f} ms, memory every step "
-        f"{saved * 1e3:.1f} ms: overhead {saved / base - 1:+.1%}"
+        f"{saved * 1e3:.1f} ms: overhead {cost:+.1%} (median of the paired trials)"
     )
-    return {"step_s": base, "step_with_ckpt_s": saved, "ckpt_overhead": saved / base - 1}
+    return {"step_s": base, "step_with_ckpt_s": saved, "ckpt_overhead": cost}
 
 
 def main() -> None:
@@ -232,7 +235,8 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=30)
     parser.add_argument("--ckpt-every", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=90.0, help="a run past it hangs")
-    parser.add_argument("--overhead-steps", type=int, default=40)
+    parser.add_argument("--overhead-steps", type=int, default=60)
+    parser.add_argument("--overhead-trials", type=int, default=5)
     parser.add_argument(
         "--overhead-model",
         default="--d-model 256 --layers 4 --heads 8 --seq 64 --batch 8",
