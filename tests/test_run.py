@@ -136,6 +136,18 @@ def test_faults_are_recovered_and_the_weights_are_bitwise_those_of_a_clean_run(t
     recovered = [e for e in timeline if e["message"].startswith("recovered from")]
     assert len(recovered) >= 3
 
+    # The worker kill: every rank held the killed worker's last step in memory, the restart
+    # restored it from there (no step lost) and, persist at fault, committed it to storage.
+    rounds = [e for e in timeline if e["kind"] == "rendezvous_completed"]
+    restore = rounds[1]["data"]["restore"]
+    assert restore.startswith("memory:"), rounds[1]["message"]
+    step = int(restore.split(":")[1])
+    assert recovered[0]["data"]["steps_lost"] == 0
+    committed = {e["step"] for e in timeline if e["kind"] == "checkpoint_committed"}
+    assert step in committed and rounds[1]["data"]["persist_step"] == step
+    # The node kill: the replacement holds nothing in memory, so that round used storage.
+    assert rounds[-1]["data"]["restore"] == "storage"
+
     (clean_out,) = clean_dir.glob("**/final.pt")
     (faulty_out,) = faulty_dir.glob("**/final.pt")
     a, b = weights(clean_out), weights(faulty_out)

@@ -85,10 +85,10 @@ class Checkpointer:
         self.managed = SOCKET_ENV in os.environ and SEGMENT_ENV in os.environ
         self._segment: Segment | None = None
         self._announced: Segment | None = None
+        """The segment the persister has open."""
         self._prefault_after_save = False
         self._wrote = False
         """Whether this process saved into the segment (its pages are mapped here)."""
-        """The segment the persister has open."""
         self._signature: tuple[Any, ...] | None = None
         """The layout of the last save; while it stays the same, its views and metadata are
         reused."""
