@@ -54,7 +54,6 @@ class NodeCheckpoints:
         self.on_event = on_event
         self._process: subprocess.Popen[bytes] | None = None
         self._reader: threading.Thread | None = None
-        self._ready = threading.Event()
 
     def segment(self, local_rank: int) -> Path:
         return Path(f"{self.prefix}ckpt-{local_rank}")
@@ -113,12 +112,8 @@ class NodeCheckpoints:
                 except ValueError:
                     continue
                 if event.get("event") == "persister_ready":
-                    self._ready.set()
-                    continue
+                    continue  # workers retry their connection while it starts
                 self.on_event(event)
-
-    def wait_ready(self, timeout: float = 60.0) -> bool:
-        return self._ready.wait(timeout)
 
     def stop(self, timeout: float = 60.0) -> None:
         """Stop the persister once it has written what it was asked, then free the memory."""

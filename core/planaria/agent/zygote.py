@@ -277,6 +277,9 @@ def _finalize() -> None:
 # --- the zygote ---------------------------------------------------------------------------
 
 
+_WORKER_MODULES = ("planaria.monitor", "planaria.checkpoint.checkpointer")
+
+
 class Zygote:
     def __init__(self, config: dict[str, Any], sock: socket.socket) -> None:
         self.config = config
@@ -293,6 +296,13 @@ class Zygote:
                 loaded.append(name)
             except BaseException as exc:  # a broken preload must never stop the zygote
                 failed[name] = f"{type(exc).__name__}: {exc}"
+        if "torch" in sys.modules:
+            # planaria's own worker side (the flash checkpoint: ~0.2 s to import) comes warm
+            # too; best effort, it is no preload the job asked for.
+            for name in _WORKER_MODULES:
+                with contextlib.suppress(Exception):
+                    import_module(name)
+                    loaded.append(name)
         torch = sys.modules.get("torch")
         cuda = bool(torch is not None and torch.cuda.is_initialized())  # forks could not use it
         gc.collect()

@@ -219,7 +219,16 @@ class Checkpointer:
             return
         path = os.environ[SOCKET_ENV] if self.managed else self._start_persister()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.connect(path)
+        deadline = time.monotonic() + 10  # the node's persister may still be starting
+        while True:
+            try:
+                sock.connect(path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    sock.close()
+                    raise
+                time.sleep(0.05)
         self._sock = sock
         self._reader = sock.makefile("rb")
         self._hello()

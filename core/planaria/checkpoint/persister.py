@@ -215,7 +215,6 @@ class Persister:
         segment, store = conn.segment, conn.store
         assert segment is not None and store is not None
         started = time.time()
-        committing = False
         try:
             if info.step in store.committed_steps():
                 # Committed already (a persist at fault of a persisted step, or a run that
@@ -232,7 +231,6 @@ class Persister:
                 seconds=round(time.time() - started, 4),
             )
             if info.rank == 0:
-                committing = True
                 with conn.lock:
                     conn.commits.add(info.step)
                 self._commits.put((store, info.step, info.world, conn))
@@ -245,10 +243,7 @@ class Persister:
             segment.unpin(info)
             with conn.lock:
                 conn.outstanding -= 1
-                if not committing:
-                    conn.lock.notify_all()
-                else:
-                    conn.lock.notify_all()
+                conn.lock.notify_all()
 
     def _commit_loop(self) -> None:
         while True:
