@@ -28,6 +28,7 @@ from planaria.checkpoint.env import (
     STORAGE_ENV,
 )
 from planaria.checkpoint.layout import Layout, TensorEntry, dtype_of, plan, rebuild
+from planaria.checkpoint.persister import SOCKET_DIR_PREFIX
 from planaria.checkpoint.segment import SHM_DIR, Segment, SegmentError
 from planaria.checkpoint.storage import build_storage
 from planaria.checkpoint.store import CheckpointStore, ShardRecord
@@ -244,7 +245,7 @@ class Checkpointer:
         self._announced = self._segment
 
     def _start_persister(self) -> str:
-        self._tmpdir = tempfile.mkdtemp(prefix="planaria-ckpt-")
+        self._tmpdir = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX)
         path = os.path.join(self._tmpdir, "persister.sock")
         self._process = subprocess.Popen(
             [
@@ -331,7 +332,9 @@ class Checkpointer:
         if not self.managed:
             with contextlib.suppress(FileNotFoundError):
                 self.segment_path.unlink()
-        if self._tmpdir is not None:
+        if self._tmpdir is not None:  # a persister that was killed leaves its socket
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self._tmpdir, "persister.sock"))
             with contextlib.suppress(OSError):
                 os.rmdir(self._tmpdir)
             self._tmpdir = None

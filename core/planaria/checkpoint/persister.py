@@ -44,6 +44,10 @@ from planaria.log import configure, get_logger
 
 log = get_logger("persister")
 
+SOCKET_DIR_PREFIX = "planaria-ckpt-"
+"""A standalone trainer's persister socket lives in a temporary directory named so; the
+persister removes it when it exits, also when the trainer was killed."""
+
 
 @dataclass
 class _Pending:
@@ -342,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     listener.close()
     with contextlib.suppress(FileNotFoundError):
         args.socket.unlink()
+    if args.socket.parent.name.startswith(SOCKET_DIR_PREFIX):  # a standalone trainer's
+        with contextlib.suppress(OSError):
+            args.socket.parent.rmdir()
     if args.remove_segments:
         remove_segments(args.remove_segments)
     return 0
