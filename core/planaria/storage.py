@@ -12,7 +12,28 @@ from typing import ClassVar, Generic, TypeVar
 
 from pydantic import BaseModel
 
+from planaria.errors import StorageError
+
 OptionsT = TypeVar("OptionsT", bound=BaseModel)
+
+
+def split_key(key: str, *, allow_root: bool = False) -> list[str]:
+    """The segments of a valid key (``allow_root``: ``""`` is the root), or a
+    :class:`~planaria.errors.StorageError` naming the key. Every storage applies these rules."""
+    if not isinstance(key, str):
+        raise StorageError(f"storage key {key!r} must be a string")
+    if key == "" and allow_root:
+        return []
+    if "\x00" in key:
+        raise StorageError(f"storage key {key!r} contains a NUL character")
+    if key.startswith("/"):
+        raise StorageError(f"storage key {key!r} is absolute: it escapes the storage root")
+    parts = key.split("/")
+    if any(part in ("..", ".") for part in parts):
+        raise StorageError(f"storage key {key!r} contains '.' or '..': it escapes the storage root")
+    if any(part == "" for part in parts):
+        raise StorageError(f"storage key {key!r} has an empty path segment")
+    return parts
 
 
 class CheckpointStorage(ABC, Generic[OptionsT]):

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from planaria.errors import StorageError
 from planaria.plugin import hookimpl
 from planaria.plugin.records import CheckpointStorageRecord
-from planaria.storage import CheckpointStorage
+from planaria.storage import CheckpointStorage, split_key
 
 _TMP_PREFIX = ".planaria-tmp-"
 _AT_FDCWD = -100
@@ -39,24 +39,6 @@ class LocalStorageOptions(BaseModel):
     fsync: bool = Field(
         default=True, description="fsync files and directories (turn off only for tests)"
     )
-
-
-def _check_key(key: str, *, allow_root: bool = False) -> list[str]:
-    """The segments of a valid key, or a :class:`StorageError` naming the key."""
-    if not isinstance(key, str):
-        raise StorageError(f"storage key {key!r} must be a string")
-    if key == "" and allow_root:
-        return []
-    if "\x00" in key:
-        raise StorageError(f"storage key {key!r} contains a NUL character")
-    if key.startswith("/"):
-        raise StorageError(f"storage key {key!r} is absolute: it escapes the storage root")
-    parts = key.split("/")
-    if any(part in ("..", ".") for part in parts):
-        raise StorageError(f"storage key {key!r} contains '.' or '..': it escapes the storage root")
-    if any(part == "" for part in parts):
-        raise StorageError(f"storage key {key!r} has an empty path segment")
-    return parts
 
 
 def _fsync_path(path: Path, *, directory: bool) -> None:
@@ -101,7 +83,7 @@ class LocalStorage(CheckpointStorage[LocalStorageOptions]):
     # -- helpers -------------------------------------------------------------------------------
 
     def _path(self, key: str, *, allow_root: bool = False) -> Path:
-        return self.root.joinpath(*_check_key(key, allow_root=allow_root))
+        return self.root.joinpath(*split_key(key, allow_root=allow_root))
 
     def _fsync_dir(self, path: Path) -> None:
         if self.options.fsync:

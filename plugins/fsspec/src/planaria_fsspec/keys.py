@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from planaria import storage
 from planaria.errors import StorageError
 
 RESERVED = ".planaria-"
@@ -11,20 +12,9 @@ _WILDCARDS = "*?["
 
 
 def split_key(key: str, *, allow_root: bool = False) -> list[str]:
-    """The segments of a valid key, or a :class:`StorageError` naming the key."""
-    if not isinstance(key, str):
-        raise StorageError(f"storage key {key!r} must be a string")
-    if key == "" and allow_root:
-        return []
-    if "\x00" in key:
-        raise StorageError(f"storage key {key!r} contains a NUL character")
-    if key.startswith("/"):
-        raise StorageError(f"storage key {key!r} is absolute: it escapes the storage root")
-    parts = key.split("/")
-    if any(part in ("..", ".") for part in parts):
-        raise StorageError(f"storage key {key!r} contains '.' or '..': it escapes the storage root")
-    if any(part == "" for part in parts):
-        raise StorageError(f"storage key {key!r} has an empty path segment")
+    """The segments of a valid key (the rules of every planaria storage, then this one's
+    own), or a :class:`StorageError` naming the key."""
+    parts = storage.split_key(key, allow_root=allow_root)
     if any(part.startswith(RESERVED) for part in parts):
         raise StorageError(
             f"storage key {key!r} has a segment starting with {RESERVED!r}, which the fsspec "
