@@ -101,8 +101,7 @@ class JoinReply(Message):
 
 
 class CheckpointEvent(Message):
-    """What a node's persister did: ``shard_persisted``, ``checkpoint_committed``,
-    ``persist_failed``, or ``restored`` (a worker's restore)."""
+    """What a node's persister did: ``checkpoint_committed`` or ``persist_failed``."""
 
     node_id: str
     event: str

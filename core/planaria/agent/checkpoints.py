@@ -17,12 +17,12 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from planaria.checkpoint import persister
 from planaria.checkpoint.env import (
     KEEP_LAST_ENV,
     PERSIST_EVERY_ENV,
@@ -73,24 +73,11 @@ class NodeCheckpoints:
     def start(self) -> None:
         read_fd, write_fd = os.pipe()
         try:
+            argv = persister.command(
+                self.socket_path, self.spec.storage, self.spec.keep_last, self.prefix
+            )
             self._process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "planaria.checkpoint.persister",
-                    "--socket",
-                    str(self.socket_path),
-                    "--storage",
-                    json.dumps(self.spec.storage),
-                    "--keep-last",
-                    str(self.spec.keep_last),
-                    "--parent",
-                    str(os.getpid()),
-                    "--events-fd",
-                    str(write_fd),
-                    "--remove-segments",
-                    self.prefix,
-                ],
+                [*argv, "--events-fd", str(write_fd)],
                 pass_fds=(write_fd,),
                 stdin=subprocess.DEVNULL,
                 # Its own session: a signal to the agent's process group must not cut a persist
@@ -178,10 +165,10 @@ class NodeCheckpoints:
             try:
                 sock.settimeout(timeout)
                 sock.connect(str(self.socket_path))
-                _ask(
+                persister.ask(
                     sock, reader, {"op": "hello", "segment": str(self.segment(local_rank))}, "ready"
                 )
-                _ask(sock, reader, {"op": "persist", "step": step}, "pinned")
+                persister.ask(sock, reader, {"op": "persist", "step": step}, "pinned")
             except (OSError, ValueError) as exc:
                 errors.append(f"local rank {local_rank}: {exc}")
                 sock.close()
@@ -199,13 +186,5 @@ class NodeCheckpoints:
         for _, sock, reader in pinned:
             with contextlib.suppress(OSError, ValueError):
                 sock.settimeout(None)
-                _ask(sock, reader, {"op": "wait"}, "idle")
+                persister.ask(sock, reader, {"op": "wait"}, "idle")
             sock.close()
-
-
-def _ask(sock: socket.socket, reader: Any, message: dict[str, Any], expect: str) -> dict[str, Any]:
-    sock.sendall(json.dumps(message).encode() + b"\n")
-    reply: dict[str, Any] = json.loads(reader.readline() or b"{}")
-    if reply.get("op") != expect:
-        raise OSError(reply.get("error", f"no answer to {message['op']!r}"))
-    return reply

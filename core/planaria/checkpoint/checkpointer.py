@@ -9,7 +9,6 @@ import os
 import select
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import warnings
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 
 from planaria import monitor
+from planaria.checkpoint import persister
 from planaria.checkpoint.env import (
     KEEP_LAST_ENV,
     PERSIST_EVERY_ENV,
@@ -101,7 +101,6 @@ class Checkpointer:
         self._reader: Any = None
         self._process: subprocess.Popen[bytes] | None = None
         self._tmpdir: str | None = None
-        self.last_save_s = 0.0
         self.restored_from: str | None = None
         """``"memory"`` or ``"storage"`` after a :meth:`load` that found a step."""
         if self.managed:
@@ -170,7 +169,6 @@ class Checkpointer:
         """Copy ``state`` into shared memory (training blocks only for this copy), report the
         step to the agent, and hand it to the persister when ``persist`` (default: every
         ``persist_every`` steps)."""
-        started = time.perf_counter()
         layout = plan(state)
         signature = layout.signature()
         same = signature == self._signature
@@ -210,7 +208,6 @@ class Checkpointer:
             persist = self.persist_every > 0 and step % self.persist_every == 0
         if persist:
             self._persist(step)
-        self.last_save_s = time.perf_counter() - started
         monitor.step(step)
 
     # -- the persister -------------------------------------------------------------------------
@@ -248,21 +245,7 @@ class Checkpointer:
         self._tmpdir = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX)
         path = os.path.join(self._tmpdir, "persister.sock")
         self._process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "planaria.checkpoint.persister",
-                "--socket",
-                path,
-                "--storage",
-                json.dumps(self.spec),
-                "--keep-last",
-                str(self.keep_last),
-                "--parent",
-                str(os.getpid()),
-                "--remove-segments",
-                str(self.segment_path),
-            ],
+            persister.command(path, self.spec, self.keep_last, str(self.segment_path)),
             stdout=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
@@ -282,14 +265,10 @@ class Checkpointer:
 
     def _request(self, message: dict[str, Any], expect: str) -> dict[str, Any]:
         assert self._sock is not None
-        self._sock.sendall(json.dumps(message).encode() + b"\n")
-        line = self._reader.readline()
-        if not line:
-            raise StorageError("the checkpoint persister went away")
-        reply: dict[str, Any] = json.loads(line)
-        if reply.get("op") != expect:
-            raise StorageError(f"checkpoint persister: {reply.get('error', reply)}")
-        return reply
+        try:
+            return persister.ask(self._sock, self._reader, message, expect)
+        except OSError as exc:
+            raise StorageError(str(exc)) from exc
 
     def _persist(self, step: int) -> None:
         try:
@@ -381,14 +360,10 @@ class Checkpointer:
                 return None
         return self._segment
 
-    @staticmethod
-    def _memory_step_directive() -> int | None:
-        kind, _, value = os.environ.get(RESTORE_ENV, "").partition(":")
-        return int(value) if kind == "memory" and value.lstrip("-").isdigit() else None
-
     def _memory_step(self) -> int | None:
         if RESTORE_ENV in os.environ:  # decided by the master for every rank at once
-            return self._memory_step_directive()
+            kind, _, value = os.environ[RESTORE_ENV].partition(":")
+            return int(value) if kind == "memory" and value.lstrip("-").isdigit() else None
         segment = self._open_segment()
         rank, world = self.rank, self.world
         mine = -1

@@ -139,9 +139,6 @@ class Layout:
         """What must match for a reused buffer to fit the same offsets."""
         return tuple((e.path, e.dtype, e.shape) for e in self.entries)
 
-    def meta(self) -> dict[str, Any]:
-        return {"tree": self.tree, "tensors": [e.to_json() for e in self.entries]}
-
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN

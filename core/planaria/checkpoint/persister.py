@@ -289,6 +289,43 @@ class Persister:
         )
 
 
+# -- the client side (agents and checkpointers) ---------------------------------------------------
+
+
+def command(
+    socket_path: str | Path, storage: dict[str, Any], keep_last: int, remove_segments: str
+) -> list[str]:
+    """The persister's command line: it serves ``socket_path``, exits once this process (its
+    parent) is gone, and then removes the files starting with ``remove_segments``."""
+    return [
+        sys.executable,
+        "-m",
+        "planaria.checkpoint.persister",
+        "--socket",
+        str(socket_path),
+        "--storage",
+        json.dumps(storage),
+        "--keep-last",
+        str(keep_last),
+        "--parent",
+        str(os.getpid()),
+        "--remove-segments",
+        remove_segments,
+    ]
+
+
+def ask(sock: socket.socket, reader: Any, message: dict[str, Any], expect: str) -> dict[str, Any]:
+    """Send one request and read its answer; :class:`OSError` unless it is ``expect``."""
+    sock.sendall(json.dumps(message).encode() + b"\n")
+    line = reader.readline()
+    if not line:
+        raise ConnectionError("the checkpoint persister went away")
+    reply: dict[str, Any] = json.loads(line)
+    if reply.get("op") != expect:
+        raise OSError(f"checkpoint persister: {reply.get('error', reply)}")
+    return reply
+
+
 def _watch_parent(pid: int, done: threading.Event) -> None:
     while not done.is_set():
         if os.getppid() != pid:

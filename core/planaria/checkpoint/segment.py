@@ -374,17 +374,6 @@ _MADV_POPULATE_WRITE = 23
 _READ_PIECE = 16 << 20
 
 
-def segment_paths(prefix: str) -> list[Path]:
-    """The segments whose path starts with ``prefix`` (``/dev/shm/planaria-<run>-<node>-``)."""
-    base = Path(prefix)
-    directory, stem = base.parent, base.name
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
-    return sorted(directory / n for n in names if n.startswith(stem) and not n.startswith("."))
-
-
 def remove_segments(prefix: str) -> int:
     """Remove every segment (and leftover temporary file) under ``prefix``; how many."""
     base = Path(prefix)

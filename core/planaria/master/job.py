@@ -574,8 +574,6 @@ class Master:
                 rank=report.rank,
                 error=report.error,
             )
-        elif report.event == "restored":
-            log.info("workers restored", node=node.node_id, step=report.step)
 
     def _maybe_grow(self) -> None:
         """Nodes standing by can enlarge a world below ``max``: re-form it with them (a
