@@ -142,7 +142,10 @@ def test_faults_are_recovered_and_the_weights_are_bitwise_those_of_a_clean_run(t
     restore = rounds[1]["data"]["restore"]
     assert restore.startswith("memory:"), rounds[1]["message"]
     step = int(restore.split(":")[1])
-    assert recovered[0]["data"]["steps_lost"] == 0
+    # The killed worker had saved step 6; a peer stopped before its own save of step 6 holds
+    # step 5 at most. The restore is the newest step all hold, and only later steps are lost.
+    assert step in (5, 6)
+    assert recovered[0]["data"]["steps_lost"] == 6 - step
     committed = {e["step"] for e in timeline if e["kind"] == "checkpoint_committed"}
     assert step in committed and rounds[1]["data"]["persist_step"] == step
     # The node kill: the replacement holds nothing in memory, so that round used storage.
