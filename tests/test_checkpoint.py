@@ -116,16 +116,17 @@ def test_save_and_load_from_memory_fills_the_template_in_place(tmp_path: Path) -
         fresh = torch.optim.AdamW(model.parameters(), lr=1e-2)
         fresh.load_state_dict(state["optim"])
         assert equal_trees(fresh.state_dict(), optim.state_dict())
-        assert (Path("/dev/shm") / ckpt.segment_path.name).stat().st_mode & 0o777 == 0o600
+        assert ckpt.segment_path.parent.parent == Path("/dev/shm")
+        assert ckpt.segment_path.stat().st_mode & 0o777 == 0o600
+        assert ckpt.segment_path.parent.stat().st_mode & 0o777 == 0o700
     finally:
         ckpt.close()
-    assert not ckpt.segment_path.exists()
+    assert not ckpt.segment_path.exists() and not ckpt.segment_path.parent.exists()
 
 
 def test_a_save_killed_midway_leaves_the_previous_step_whole(tmp_path: Path) -> None:
-    segment_path = Path("/dev/shm") / f"planaria-test-{os.getpid()}-torn"
     ckpt = Checkpointer(tmp_path / "ckpt")
-    ckpt.segment_path = segment_path
+    segment_path = ckpt.segment_path
     try:
         state = {"w": torch.arange(1 << 16, dtype=torch.float32)}
         ckpt.save(1, state)

@@ -65,6 +65,8 @@ def test_hangs_are_dumped_and_restarted_and_the_weights_are_bitwise_a_clean_runs
         for info, secondary in ((r, s) for r, s in seen if r["rank"] == rank):
             states = (state, "Z") if secondary else (state,)
             assert info["state"].startswith(states), info
+            if secondary and "No such process" in info["stack"]:
+                continue  # it died between its state and its stack
             assert "WorkerChaos.check (" in info["stack"], info["stack"]
     faults = [
         f for f in timeline if f["kind"] == "fault_detected" and f["data"]["fault"] != "chaos"

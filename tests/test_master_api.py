@@ -9,7 +9,7 @@ from pathlib import Path
 import aiohttp
 
 from planaria.master.job import JobSettings, JobState, Master
-from planaria.master.server import make_app, serve
+from planaria.master.server import ServerLimits, make_app, serve
 from planaria.protocol import API_PREFIX, JobSpec
 from planaria.scheduler import LaunchSpec
 from planaria.schedulers.local import LocalOptions, LocalScheduler
@@ -42,9 +42,11 @@ def settings(tmp_path: Path, nodes: int = 2) -> JobSettings:
     )
 
 
-async def with_master(tmp_path: Path, body) -> None:
+async def with_master(tmp_path: Path, body, limits: ServerLimits | None = None) -> None:
+    """A master whose nodes never call back: ``body(master, session, url)`` plays the agents."""
     master = Master(settings(tmp_path), LocalScheduler(LocalOptions()), tmp_path)
-    runner, port = await serve(make_app(master, TOKEN, hold=0.2), "127.0.0.1", 0)
+    app = make_app(master, TOKEN, hold=0.2, limits=limits)
+    runner, port = await serve(app, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{port}{API_PREFIX}"
     # Stand-in agents that never call back: the test plays the agents over HTTP.
     idle = LaunchSpec(job="api", command=(sys.executable, "-c", "import time; time.sleep(60)"))

@@ -72,23 +72,30 @@ def job(tmp_path: Path, **sections: object) -> Path:
     return path
 
 
-def run(
-    tmp_path: Path, mark: str, *args: str, timeout: float = 240
-) -> subprocess.CompletedProcess[str]:
+def _planaria_run(mark: str, args: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
     env = {
         **os.environ,
         MARK: mark,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         "COLUMNS": "200",
     }
-    planaria = str(Path(sys.executable).parent / "planaria")
+    return [str(Path(sys.executable).parent / "planaria"), "run", *args], env
+
+
+def run(
+    tmp_path: Path, mark: str, *args: str, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    argv, env = _planaria_run(mark, args)
     return subprocess.run(
-        [planaria, "run", *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+        argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def start(tmp_path: Path, mark: str, *args: str) -> subprocess.Popen[str]:
+    """``planaria run`` in the background (stdout and stderr together), for faults from outside."""
+    argv, env = _planaria_run(mark, args)
+    return subprocess.Popen(
+        argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
 
 

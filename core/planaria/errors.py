@@ -86,3 +86,8 @@ class StorageError(PlanariaError):
 
 class CheckpointCorruptError(StorageError):
     """A checkpoint failed verification (manifest, size or checksum) and must not be loaded."""
+
+
+class CheckpointRestoreError(StorageError):
+    """Committed checkpoints exist but none verifies, and the job asked to restore one
+    (``checkpoint.require_restore``): training must not silently start from scratch."""

@@ -24,7 +24,15 @@ class EventKind(str, Enum):
     HANG_DETECTED = "hang_detected"
     CHECKPOINT_COMMITTED = "checkpoint_committed"
     CHECKPOINT_FAILED = "checkpoint_failed"
+    CHECKPOINT_SKIPPED = "checkpoint_skipped"
+    """A restore found a committed step that does not verify, and used an older one."""
+    STARTED_FROM_SCRATCH = "started_from_scratch"
+    """Committed steps exist, none verifies: training started from step 0."""
+    PERSISTER_RESTARTED = "persister_restarted"
+    """A node's checkpoint persister died; its agent started a new one."""
     JOB_STOPPED = "job_stopped"
+    MASTER_STALLED = "master_stalled"
+    REGISTRATION_REFUSED = "registration_refused"
 
 
 class JobEvent(BaseModel):

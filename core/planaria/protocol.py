@@ -33,6 +33,10 @@ class CheckpointSpec(Message):
     keep_last: int = 3
     persist_every: int = 100
     persist_on_fault: bool = True
+    require_restore: bool = False
+    """Committed steps that all fail verification stop the job instead of a fresh start."""
+    allow_unpersisted_end: bool = False
+    """A job whose last persist failed may still end as succeeded (the master's rule)."""
 
 
 class JobSpec(Message):
@@ -101,15 +105,19 @@ class JoinReply(Message):
 
 
 class CheckpointEvent(Message):
-    """What a node's persister did: ``checkpoint_committed`` or ``persist_failed``."""
+    """What a node's persister did (``checkpoint_committed``, ``persist_failed``), what became
+    of it (``persister_restarted``), or what a worker's restore found (``checkpoint_skipped``,
+    ``started_from_scratch``)."""
 
     node_id: str
     event: str
-    step: int
+    step: int = -1
     rank: int | None = None
     bytes: int | None = None
     seconds: float | None = None
     error: str = ""
+    steps: list[int] = Field(default_factory=list)
+    """``started_from_scratch``: the committed steps that all failed verification."""
 
 
 NodeActivity = Literal["idle", "running", "succeeded", "failed"]
@@ -123,6 +131,8 @@ class RankProgress(Message):
     """Median wall-clock seconds per step over ``diagnosis.straggler_window`` steps."""
     busy_s: float | None = None
     """Median busy (CPU, or worker-given) seconds per step over the same window."""
+    first_step: int = -1
+    """The first step this rank's worker completed in this round (-1: none yet)."""
 
 
 class Heartbeat(Message):
@@ -155,6 +165,9 @@ class WorkerFailure(Message):
     time: float
     log_tail: str
     description: str
+    start_error: str | None = None
+    """Why the worker never started (the program is missing, the environment too large, the
+    node too small): the fault is the job's own, and a restart would fail the same way."""
 
 
 class WorkersReport(Message):

@@ -1,17 +1,21 @@
 """The scheduler interface: how the master gets, watches, replaces and releases nodes.
 
 One implementation per cluster manager (``local``, ``slurm``, ``ray``, ``kubernetes``). The master
-calls these methods from one thread; an implementation need not be thread-safe.
+calls these methods from one thread; an implementation need not be thread-safe, except for
+:meth:`Scheduler.interrupt`, which stops a launch in flight from any thread.
 """
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from enum import Enum
 from pathlib import Path
 from typing import ClassVar, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from planaria.errors import ConfigIssue
 
 
 class NodeState(str, Enum):
@@ -72,9 +76,33 @@ class Scheduler(ABC, Generic[OptionsT]):
     """
 
     name: ClassVar[str] = ""
+    nodes_here: ClassVar[bool] = False
+    """The nodes run on this very machine, with its files and environment, so that what a
+    job names (its program, its workdir) can be checked here before anything starts."""
 
     def __init__(self, options: OptionsT) -> None:
         self.options = options
+        self._interrupted = threading.Event()
+
+    @classmethod
+    def capacity_issues(
+        cls, options: OptionsT, *, nodes: int, procs_per_node: int
+    ) -> list[ConfigIssue]:
+        """What this scheduler cannot give a job of ``nodes`` nodes of ``procs_per_node``
+        workers each, as problems of the config (``job.nodes``, ``scheduler.options.X``),
+        found when it loads, before anything starts. The default: none."""
+        return []
+
+    def interrupt(self) -> None:
+        """Stop starting nodes, from any thread (the job is stopping): a :meth:`launch` or
+        :meth:`replace` in flight stops before its next node, releases what it started and
+        raises :class:`~planaria.errors.SchedulerError`; later ones start nothing.
+        :meth:`stop` still works."""
+        self._interrupted.set()
+
+    @property
+    def interrupted(self) -> bool:
+        return self._interrupted.is_set()
 
     @abstractmethod
     def launch(self, spec: LaunchSpec, count: int) -> list[NodeHandle]:

@@ -4,20 +4,23 @@ Workers' segments are named per node and local rank, so they outlive a worker an
 worker finds its last steps in memory. Before each round the agent reads which steps its
 segments hold (the master picks the step every rank can restore), and at a fault it can have the
 persister write the agreed step. The persister is a separate process watching the agent: if the
-agent dies, it finishes what it was asked to persist, removes the node's segments and exits.
+agent dies, it finishes what it was asked to persist, removes the node's segments and exits. If
+the persister dies first, the agent restarts it at once and reports it: the segments are files
+and survive it, and workers reconnect to the new one and hand it again what was pending.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,7 @@ from planaria.checkpoint import persister
 from planaria.checkpoint.env import (
     KEEP_LAST_ENV,
     PERSIST_EVERY_ENV,
+    REQUIRE_RESTORE_ENV,
     RESTORE_ENV,
     SEGMENT_ENV,
     SOCKET_ENV,
@@ -37,26 +41,33 @@ from planaria.protocol import CheckpointSpec, MemoryHolding
 
 log = get_logger("agent")
 
+QUICK_DEATH = 10.0
+"""A persister that dies within this many seconds of its start is restarted after a back-off
+(1, 2, 4 ... 30 s), not at once: it would only die again."""
+
 
 class NodeCheckpoints:
     """Names the node's segments, runs its persister, reads what memory holds."""
 
     def __init__(
-        self, spec: CheckpointSpec, prefix: str, on_event: Callable[[dict[str, Any]], None]
+        self, spec: CheckpointSpec, directory: Path, on_event: Callable[[dict[str, Any]], None]
     ) -> None:
         self.spec = spec
-        self.prefix = prefix
-        """``/dev/shm/planaria-<run>-<node>.``: every file of this node starts with it."""
-        self.socket_path = Path(f"{prefix}sock")
-        if len(str(self.socket_path)) > 100:  # the limit of a Unix socket's path
-            digest = hashlib.sha1(prefix.encode()).hexdigest()[:16]
-            self.socket_path = Path(prefix).parent / f"planaria-{digest}.sock"
+        self.directory = directory
+        """The node's private directory in /dev/shm (:func:`planaria.shm.node_dir`)."""
+        self.prefix = str(directory)
+        """What the persister removes once its agent is gone: the whole directory."""
+        self.socket_path = directory / "sock"
         self.on_event = on_event
         self._process: subprocess.Popen[bytes] | None = None
-        self._reader: threading.Thread | None = None
+        self._supervisor: threading.Thread | None = None
+        self._readers: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._syncs: dict[str, threading.Event] = {}
 
     def segment(self, local_rank: int) -> Path:
-        return Path(f"{self.prefix}ckpt-{local_rank}")
+        return self.directory / f"ckpt-{local_rank}"
 
     def worker_env(self, local_rank: int, restore: str) -> dict[str, str]:
         return {
@@ -66,11 +77,17 @@ class NodeCheckpoints:
             STORAGE_ENV: json.dumps(self.spec.storage),
             KEEP_LAST_ENV: str(self.spec.keep_last),
             PERSIST_EVERY_ENV: str(self.spec.persist_every),
+            REQUIRE_RESTORE_ENV: "1" if self.spec.require_restore else "0",
         }
 
     # -- the persister -------------------------------------------------------------------------
 
     def start(self) -> None:
+        self._spawn()
+        self._supervisor = threading.Thread(target=self._supervise, name="persister", daemon=True)
+        self._supervisor.start()
+
+    def _spawn(self) -> None:
         read_fd, write_fd = os.pipe()
         try:
             argv = persister.command(
@@ -84,12 +101,41 @@ class NodeCheckpoints:
                 # short; it exits by itself once the agent is gone.
                 start_new_session=True,
             )
+        except BaseException:
+            os.close(read_fd)
+            raise
         finally:
             os.close(write_fd)
-        self._reader = threading.Thread(
+        reader = threading.Thread(
             target=self._read_events, args=(read_fd,), name="persister-events", daemon=True
         )
-        self._reader.start()
+        reader.start()
+        self._readers.append(reader)
+
+    def _supervise(self) -> None:
+        """Restart the persister whenever it dies before :meth:`stop`, and report it."""
+        quick = 0
+        while True:
+            process, started = self._process, time.monotonic()
+            assert process is not None
+            code = process.wait()
+            if self._stopping.is_set():
+                return
+            why = _describe(code)
+            quick = quick + 1 if time.monotonic() - started < QUICK_DEATH else 0
+            if self._stopping.wait(min(30.0, 2.0 ** (quick - 1)) if quick else 0.0):
+                return
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                try:
+                    self._spawn()
+                except OSError as exc:  # tried again after the back-off
+                    log.error("cannot restart the checkpoint persister", why=why, error=str(exc))
+                    continue
+            assert self._process is not None
+            log.warning("checkpoint persister died; restarted", why=why, pid=self._process.pid)
+            self.on_event({"event": "persister_restarted", "error": why})
 
     def _read_events(self, fd: int) -> None:
         with os.fdopen(fd, "r", encoding="utf-8", errors="replace") as stream:
@@ -98,13 +144,43 @@ class NodeCheckpoints:
                     event = json.loads(line)
                 except ValueError:
                     continue
-                if event.get("event") == "persister_ready":
+                kind = event.get("event")
+                if kind == "persister_ready":
                     continue  # workers retry their connection while it starts
+                if kind == "synced":
+                    with self._lock:
+                        seen = self._syncs.get(str(event.get("token")))
+                    if seen is not None:
+                        seen.set()
+                    continue
                 self.on_event(event)
+
+    def sync(self, timeout: float = 2.0) -> bool:
+        """Wait until every event the persister wrote before now was handed to ``on_event``
+        (the master must learn a step's fate before the workers' end). False if it cannot
+        tell (no persister running)."""
+        token = secrets.token_hex(8)
+        seen = threading.Event()
+        with self._lock:
+            self._syncs[token] = seen
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(timeout)
+                sock.connect(str(self.socket_path))
+                with sock.makefile("rb") as reader:
+                    persister.ask(sock, reader, {"op": "sync", "token": token}, "synced")
+            return seen.wait(timeout)
+        except (OSError, ValueError):
+            return False
+        finally:
+            with self._lock:
+                self._syncs.pop(token, None)
 
     def stop(self, timeout: float = 60.0) -> None:
         """Stop the persister once it has written what it was asked, then free the memory."""
-        process = self._process
+        with self._lock:
+            self._stopping.set()
+            process = self._process
         if process is not None and process.poll() is None:
             process.send_signal(signal.SIGTERM)
             try:
@@ -113,8 +189,9 @@ class NodeCheckpoints:
                 log.warning("persister did not stop; killing it", pid=process.pid)
                 process.kill()
                 process.wait()
-        if self._reader is not None:
-            self._reader.join(timeout=5)
+        for thread in [self._supervisor, *self._readers]:
+            if thread is not None:
+                thread.join(timeout=5)
         remove_segments(self.prefix)
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
@@ -188,3 +265,12 @@ class NodeCheckpoints:
                 sock.settimeout(None)
                 persister.ask(sock, reader, {"op": "wait"}, "idle")
             sock.close()
+
+
+def _describe(code: int) -> str:
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"

@@ -24,9 +24,14 @@ class MasterRejected(PlanariaError):
     """The master answered with an error (bad token, bad request, unknown node)."""
 
 
+class _NotYet(Exception):
+    """The master answered 503: it cannot say yet (e.g. this node's launch is in flight)."""
+
+
 class MasterClient:
     def __init__(self, url: str, token: str, give_up_after: float = 15.0) -> None:
         self.url = url.rstrip("/")
+        self.token = token
         self.give_up_after = give_up_after
         self._session = aiohttp.ClientSession(
             headers={"Authorization": f"Bearer {token}"},
@@ -48,10 +53,12 @@ class MasterClient:
                     )
                 async with request as response:
                     text = await response.text()
+                    if response.status == 503:
+                        raise _NotYet(text)
                     if response.status != 200:
                         raise MasterRejected(f"master answered {response.status} to {path}: {text}")
                     return reply.model_validate_json(text)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, _NotYet) as exc:
                 if time.monotonic() > deadline:
                     raise MasterUnreachable(
                         f"master at {self.url} unreachable for {self.give_up_after:g}s: {exc}"

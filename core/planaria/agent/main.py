@@ -8,6 +8,7 @@ outlives it: workers and the warm interpreter die with it, even on SIGKILL.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ipaddress
 import os
 import signal
@@ -26,6 +27,7 @@ from planaria.agent.workers import (
     WorkerGroup,
     WorkerLauncher,
     WorkerSpec,
+    WorkerStartRefused,
 )
 from planaria.chaos import ENV as CHAOS_ENV
 from planaria.chaos import ChaosRule, worker_rules_env
@@ -51,6 +53,7 @@ from planaria.protocol import (
 )
 from planaria.rdzv.master import MasterRendezvous, MasterRendezvousOptions
 from planaria.rendezvous import NodeInfo, RendezvousInfo
+from planaria.shm import UnsafePathError, make_private_dir, node_dir, remove_dir
 
 log = get_logger("agent")
 
@@ -109,6 +112,7 @@ class Agent:
         self.node_id = node_id
         self.host = host
         self.addr = addr
+        self._event_sends: set[concurrent.futures.Future[None]] = set()
 
     async def run(self) -> int:
         reply = await self.client.call(
@@ -122,19 +126,36 @@ class Agent:
         base_env = {**os.environ, **spec.env, "PLANARIA_RUN_DIR": spec.run_dir}
         if spec.procs_per_node > 1:
             base_env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does
-        # Every file this node puts in /dev/shm starts with this prefix: one sweep frees them.
-        prefix = f"/dev/shm/planaria-{spec.run_id}-{self.node_id}."
+        # Every file this node puts in /dev/shm is in one private directory, made afresh: no
+        # other user can plant or swap anything in it, and removing it frees them all.
+        try:
+            shm = make_private_dir(node_dir(spec.run_id, self.node_id))
+        except UnsafePathError as exc:
+            log.error("cannot make this node's shared-memory directory", error=str(exc))
+            return 1
         self.loop = asyncio.get_running_loop()
         self.checkpoints: NodeCheckpoints | None = None
-        if spec.checkpoint is not None:
-            self.checkpoints = NodeCheckpoints(spec.checkpoint, prefix, self._checkpoint_event)
-            self.checkpoints.start()
-        self.board = ProgressBoard(Path(f"{prefix}progress"), spec.procs_per_node)
+        try:
+            if spec.checkpoint is not None:
+                self.checkpoints = NodeCheckpoints(spec.checkpoint, shm, self._checkpoint_event)
+                self.checkpoints.start()
+            self.board = ProgressBoard(shm / "progress", spec.procs_per_node)
+        except BaseException:
+            if self.checkpoints is not None:
+                self.checkpoints.stop()
+            remove_dir(shm)
+            raise
         launcher = WorkerLauncher(
             spec.command, Path(spec.workdir), base_env, spec.preload, spec.stop_grace
         )
         warming = asyncio.ensure_future(launcher.start())
-        self.rdzv = MasterRendezvous(MasterRendezvousOptions(), min_nodes=1, max_nodes=1)
+        self.rdzv = MasterRendezvous(
+            MasterRendezvousOptions(),
+            min_nodes=1,
+            max_nodes=1,
+            url=self.client.url,
+            token=self.client.token,
+        )
         checked = not spec.diagnosis.preflight
         try:
             while True:
@@ -159,6 +180,7 @@ class Agent:
             self.board.close()
             if self.checkpoints is not None:
                 await asyncio.to_thread(self.checkpoints.stop)
+            remove_dir(shm)
 
     async def _healthy(self) -> bool:
         """Run the job's health checks before joining a round. An unhealthy node does not
@@ -219,7 +241,10 @@ class Agent:
             )
             for lr in range(spec.procs_per_node)
         ]
-        group = await launcher.spawn(specs)
+        try:
+            group = await launcher.spawn(specs)
+        except WorkerStartRefused as exc:
+            return await self._cannot_start(info, str(exc))
         started = time.time()
         log.info("workers started", round=info.round, node_rank=info.node_rank, pids=group.pids)
         watch = NodeWatch(spec.diagnosis, self.node_id, info.round, info.rank_offset, started)
@@ -246,6 +271,35 @@ class Agent:
                 task.cancel()
             await group.stop()
 
+    async def _cannot_start(self, info: RendezvousInfo, error: str) -> Action:
+        """Workers that cannot start (a missing program, an environment the OS refuses, a node
+        too small for them) are the job's fault, not this node's: the round fails with the
+        OS's reason, and the node waits for the master's word (it stops the job)."""
+        log.error("workers cannot start", round=info.round, error=error)
+        now = time.time()
+        failure = WorkerFailure(
+            local_rank=0,
+            rank=info.rank_offset,
+            pid=0,
+            exitcode=None,
+            signal=None,
+            time=now,
+            log_tail="",
+            description=error,
+            start_error=error,
+        )
+        report = WorkersReport(
+            node_id=self.node_id, round=info.round, succeeded=False, failure=failure
+        )
+        await self.client.call("/workers", report, Ack)
+        watch = NodeWatch(self.spec.diagnosis, self.node_id, info.round, info.rank_offset, now)
+        state = _RoundState(info, now, watch)
+        state.reported, state.activity = True, "failed"
+        while True:
+            action = await self._heartbeats(state)
+            if action.kind in ("restart", "exit"):
+                return action
+
     def _checkpoint_event(self, event: dict[str, Any]) -> None:
         """A persister event (from its reader thread): forward it to the master."""
         try:
@@ -257,13 +311,26 @@ class Agent:
                 bytes=event.get("bytes"),
                 seconds=event.get("seconds"),
                 error=str(event.get("error", "")),
+                steps=[int(s) for s in event.get("steps") or []],
             )
         except (ValueError, TypeError) as exc:
             log.warning("bad persister event", event=event, error=str(exc))
             return
         if report.event == "shard_persisted":
             return  # the commit event says it for every rank
-        asyncio.run_coroutine_threadsafe(self._send_event(report), self.loop)
+        sent = asyncio.run_coroutine_threadsafe(self._send_event(report), self.loop)
+        self._event_sends.add(sent)
+        sent.add_done_callback(self._event_sends.discard)
+
+    async def _flush_checkpoint_events(self) -> None:
+        """Before the workers' end is reported, the master learns what became of the steps
+        they persisted (their commit or failure decides how a finished job ends)."""
+        if self.checkpoints is None:
+            return
+        await asyncio.to_thread(self.checkpoints.sync, 2.0)
+        pending = [asyncio.wrap_future(f) for f in list(self._event_sends)]
+        if pending:
+            await asyncio.wait(pending, timeout=5.0)
 
     async def _send_event(self, report: CheckpointEvent) -> None:
         try:
@@ -273,6 +340,7 @@ class Agent:
 
     async def _report(self, state: _RoundState, result: GroupResult) -> None:
         state.reported = True
+        await self._flush_checkpoint_events()
         state.activity = "succeeded" if result.succeeded else "failed"
         failures = [
             self._failure(state, e)

@@ -46,6 +46,20 @@ def parse_python_command(command: Sequence[str]) -> PythonProgram | None:
     return PythonProgram(exe, flags, "script", rest[0], tuple(rest[1:]))
 
 
+def find_program(program: str, cwd: Path, path: str) -> str | None:
+    """Where ``program`` is, as ``execvp`` in ``cwd`` with this ``PATH`` would find it: a name
+    with a slash relative to ``cwd``, else searched on ``path`` (an empty entry is ``cwd``);
+    None when there is no executable file of that name."""
+    if os.sep in program:
+        candidates = [cwd / program]
+    else:
+        candidates = [cwd / (entry or ".") / program for entry in path.split(os.pathsep)]
+    for candidate in candidates:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
+
+
 def same_interpreter(executable: str, cwd: Path, env: Mapping[str, str]) -> bool:
     """Whether ``executable``, as the worker would find it, is this interpreter in this
     environment: the same file in the same directory (a venv's python is a symlink to the base

@@ -37,6 +37,7 @@ from planaria.agent.program import (
     parse_python_command,
     same_interpreter,
 )
+from planaria.capacity import shortfall
 from planaria.errors import PlanariaError
 from planaria.log import get_logger
 
@@ -48,6 +49,12 @@ _order = itertools.count()
 
 class WorkerSpawnError(PlanariaError):
     """Workers could not be started (bad command, unwritable log, fork failure ...)."""
+
+
+class WorkerStartRefused(WorkerSpawnError):
+    """The system refused the workers as the job asks for them (no such program, an
+    environment the kernel rejects, more workers than the node has room for): a restart or
+    another node would fail the same way. A zygote that died is not this: that is the node's."""
 
 
 class WorkerStopError(PlanariaError):
@@ -293,7 +300,7 @@ class _ZygoteClient:
                 elif kind in ("spawned", "error") and rid in self._pending:
                     worker, fut = self._pending.pop(rid)
                     if kind == "error":
-                        fut.set_exception(WorkerSpawnError(f"cannot start: {msg['error']}"))
+                        fut.set_exception(WorkerStartRefused(f"cannot start: {msg['error']}"))
                         continue
                     worker.pid = msg["pid"]
                     self._running[rid] = worker
@@ -472,6 +479,11 @@ class WorkerLauncher:
         ranks = [s.local_rank for s in specs]
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"duplicate local ranks in {ranks}")
+        why = shortfall(len(specs), len(specs))
+        if why is not None:  # refused before the first fork, not after thousands
+            raise WorkerStartRefused(
+                f"cannot start {len(specs)} workers on this node: {why}; lower job.procs_per_node"
+            )
         for spec in specs:
             try:
                 spec.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -492,7 +504,7 @@ class WorkerLauncher:
         if is_python(argv[0]) and not (self.program and any("u" in f for f in self.program.flags)):
             argv.insert(1, "-u")  # unbuffered: the log stays current
         preexec, workers = _pdeathsig_preexec(os.getpid()), []
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
         try:
             for spec in specs:
                 worker = _Worker(spec)
@@ -509,7 +521,7 @@ class WorkerLauncher:
                 workers.append(worker)
         except (OSError, subprocess.SubprocessError) as exc:
             await _terminate(workers, signal.SIGKILL, 0.0)
-            raise WorkerSpawnError(f"cannot start {argv[0]!r}: {exc}") from exc
+            raise WorkerStartRefused(f"cannot start {argv[0]!r}: {exc}") from exc
         return workers
 
     @staticmethod

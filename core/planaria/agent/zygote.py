@@ -101,7 +101,8 @@ def _child(config: Mapping[str, Any], req: Mapping[str, Any], handshake: int) ->
         signal.pthread_sigmask(signal.SIG_SETMASK, set())
         try:
             devnull = os.open(os.devnull, os.O_RDONLY)
-            log = os.open(req["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
+            log = os.open(req["log_path"], flags, 0o600)
             for fd, target in ((devnull, 0), (log, 1), (log, 2)):
                 os.dup2(fd, target)
             os.close(devnull)

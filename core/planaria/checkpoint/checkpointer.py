@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import json
 import os
 import select
 import socket
 import subprocess
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -22,6 +22,7 @@ from planaria.checkpoint import persister
 from planaria.checkpoint.env import (
     KEEP_LAST_ENV,
     PERSIST_EVERY_ENV,
+    REQUIRE_RESTORE_ENV,
     RESTORE_ENV,
     SEGMENT_ENV,
     SOCKET_ENV,
@@ -31,9 +32,10 @@ from planaria.checkpoint.layout import Layout, TensorEntry, dtype_of, plan, rebu
 from planaria.checkpoint.persister import SOCKET_DIR_PREFIX
 from planaria.checkpoint.segment import SHM_DIR, Segment, SegmentError
 from planaria.checkpoint.storage import build_storage
-from planaria.checkpoint.store import CheckpointStore, ShardRecord
-from planaria.errors import CheckpointCorruptError, StorageError
+from planaria.checkpoint.store import CheckpointStore, Manifest, ShardRecord
+from planaria.errors import CheckpointCorruptError, CheckpointRestoreError, StorageError
 from planaria.log import get_logger
+from planaria.shm import make_temp_dir, remove_dir
 
 log = get_logger("checkpoint")
 
@@ -64,6 +66,10 @@ class Checkpointer:
     Under ``planaria run`` the agent hosts the shared memory and the persister, so a restarted
     worker restores from memory. Standalone (torchrun, one process), the checkpointer starts
     its own persister process, and restores from storage after a restart.
+
+    ``require_restore`` (default: the job's ``checkpoint.require_restore``): when committed steps
+    exist but none verifies, :meth:`load` raises :class:`CheckpointRestoreError` instead of
+    returning None (a start from scratch).
     """
 
     def __init__(
@@ -72,6 +78,7 @@ class Checkpointer:
         *,
         keep_last: int | None = None,
         persist_every: int | None = None,
+        require_restore: bool | None = None,
     ) -> None:
         env_storage = os.environ.get(STORAGE_ENV)
         if storage is None and env_storage is None:
@@ -83,6 +90,9 @@ class Checkpointer:
         self.keep_last = keep_last or int(os.environ.get(KEEP_LAST_ENV, "3"))
         every = persist_every or int(os.environ.get(PERSIST_EVERY_ENV, "0") or 0)
         self.persist_every = every
+        if require_restore is None:
+            require_restore = os.environ.get(REQUIRE_RESTORE_ENV, "") == "1"
+        self.require_restore = require_restore
         self.managed = SOCKET_ENV in os.environ and SEGMENT_ENV in os.environ
         self._segment: Segment | None = None
         self._announced: Segment | None = None
@@ -99,15 +109,24 @@ class Checkpointer:
         self._store: CheckpointStore | None = None
         self._sock: socket.socket | None = None
         self._reader: Any = None
+        self._pending: collections.deque[int] = collections.deque(maxlen=2)
+        """Steps handed to the persister since it last said ``idle``: a restarted persister
+        is asked for them again (older ones are no longer in memory: two slots)."""
+        self._rejected: dict[int, str] = {}
+        """Committed steps a restore rejected, and why (the persister never counts them)."""
         self._process: subprocess.Popen[bytes] | None = None
         self._tmpdir: str | None = None
+        self._private: Path | None = None
+        """Standalone: this checkpointer's own 0700 directory in /dev/shm (segment, socket)."""
         self.restored_from: str | None = None
         """``"memory"`` or ``"storage"`` after a :meth:`load` that found a step."""
         if self.managed:
             self.segment_path = Path(os.environ[SEGMENT_ENV])
         else:
-            tag = f"planaria-ckpt-{os.getpid()}-rank-{self.rank}"
-            self.segment_path = SHM_DIR / tag
+            # A fresh private directory with an unpredictable name: nobody else can put a
+            # link or a file where this process will write.
+            self._private = make_temp_dir(SOCKET_DIR_PREFIX, SHM_DIR)
+            self.segment_path = self._private / f"rank-{self.rank}.ckpt"
             atexit.register(self.close)
 
     # -- identity ------------------------------------------------------------------------------
@@ -212,12 +231,12 @@ class Checkpointer:
 
     # -- the persister -------------------------------------------------------------------------
 
-    def _connect(self) -> None:
+    def _connect(self, hello: bool = True) -> None:
         if self._sock is not None:
             return
         path = os.environ[SOCKET_ENV] if self.managed else self._start_persister()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        deadline = time.monotonic() + 10  # the node's persister may still be starting
+        deadline = time.monotonic() + 30  # the node's persister may be (re)starting
         while True:
             try:
                 sock.connect(path)
@@ -229,20 +248,25 @@ class Checkpointer:
                 time.sleep(0.05)
         self._sock = sock
         self._reader = sock.makefile("rb")
-        self._hello()
+        if hello:
+            self._hello()
 
-    def _hello(self) -> None:
-        hello = {
+    def _hello_message(self) -> dict[str, Any]:
+        return {
             "op": "hello",
             "segment": str(self.segment_path),
             "storage": self.spec,
             "keep_last": self.keep_last,
+            "rejected": sorted(self._rejected),
         }
-        self._request(hello, "ready")
+
+    def _hello(self) -> None:
+        self._request(self._hello_message(), "ready")
         self._announced = self._segment
 
     def _start_persister(self) -> str:
-        self._tmpdir = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX)
+        assert self._private is not None
+        self._tmpdir = str(self._private)
         path = os.path.join(self._tmpdir, "persister.sock")
         self._process = subprocess.Popen(
             persister.command(path, self.spec, self.keep_last, str(self.segment_path)),
@@ -263,12 +287,56 @@ class Checkpointer:
             raise StorageError(f"the checkpoint persister did not start: {line!r}")
         return path
 
-    def _request(self, message: dict[str, Any], expect: str) -> dict[str, Any]:
+    def _ask(self, message: dict[str, Any], expect: str) -> dict[str, Any]:
+        """One request; :class:`ConnectionError` if the persister is gone."""
         assert self._sock is not None
         try:
             return persister.ask(self._sock, self._reader, message, expect)
+        except ConnectionError:
+            raise
         except OSError as exc:
             raise StorageError(str(exc)) from exc
+
+    def _request(self, message: dict[str, Any], expect: str) -> dict[str, Any]:
+        """One request. Under ``planaria run`` a persister that died is restarted by the
+        agent: reconnect, hand the new one what the old one had, and ask again."""
+        try:
+            return self._ask(message, expect)
+        except ConnectionError as exc:
+            if not self.managed:
+                raise StorageError(str(exc)) from exc
+            log.warning("the persister went away; reconnecting", error=str(exc))
+            try:
+                self._reconnect()
+                return self._ask(message, expect)
+            except OSError as again:  # ConnectionError included
+                self._drop()
+                raise StorageError(f"the node's persister is gone: {again}") from again
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+        self._sock = self._reader = None
+
+    def _reconnect(self) -> None:
+        announced = self._announced is not None
+        self._drop()
+        self._connect(hello=False)
+        if announced:
+            self._ask(self._hello_message(), "ready")
+            self._announced = self._segment
+        # What was committed meanwhile needs nothing; what was only pinned is asked again.
+        store = self.store
+        store.reject(self._rejected)
+        newest = next((s for s in store.committed_steps() if store.usable(s)), -1)
+        for step in [s for s in self._pending if s > newest]:
+            try:
+                self._ask({"op": "persist", "step": step}, "pinned")
+            except StorageError as exc:  # no longer in memory: the persister reported it
+                log.warning(
+                    "cannot persist again after a persister restart", step=step, error=str(exc)
+                )
 
     def _persist(self, step: int) -> None:
         try:
@@ -276,17 +344,35 @@ class Checkpointer:
             if self._announced is not self._segment:  # a new (larger) segment replaced it
                 self._hello()
             self._request({"op": "persist", "step": step}, "pinned")
+            self._pending.append(step)
         except (OSError, StorageError) as exc:
             log.warning("cannot persist", step=step, error=str(exc))
 
     def wait(self) -> None:
         """Block until every step handed to the persister is durable (and, on rank 0,
-        committed); :class:`StorageError` with what failed."""
+        committed). What failed: standalone, a :class:`StorageError`; under ``planaria run``
+        a warning, because the persister reported it to the job already, whose end says
+        whether its last step was persisted (``checkpoint.allow_unpersisted_end``): a
+        failed persist is no reason to restart the workers."""
         if self._sock is None:
             return
         reply = self._request({"op": "wait"}, "idle")
+        self._pending.clear()
         if reply.get("errors"):
-            raise StorageError("persisting failed: " + "; ".join(reply["errors"]))
+            message = "persisting failed: " + "; ".join(reply["errors"])
+            if not self.managed:
+                raise StorageError(message)
+            log.warning("persisting failed; the job's timeline has it", errors=reply["errors"])
+
+    def _report(self, event: str, **fields: Any) -> None:
+        """Tell the job (through the node's persister) how the restore went."""
+        if not self.managed:
+            return
+        try:
+            self._connect(hello=False)
+            self._request({"op": "report", "event": event, **fields}, "reported")
+        except (OSError, StorageError) as exc:
+            log.warning("cannot report to the agent", event=event, error=str(exc))
 
     def close(self) -> None:
         """Wait for pending persists; standalone, stop the persister and free the memory."""
@@ -317,6 +403,9 @@ class Checkpointer:
             with contextlib.suppress(OSError):
                 os.rmdir(self._tmpdir)
             self._tmpdir = None
+        if self._private is not None:
+            remove_dir(self._private)
+            self._private = None
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -420,11 +509,12 @@ class Checkpointer:
         distributed = (
             world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
         )
-        for step in store.committed_steps():
+        committed = store.committed_steps()
+        for step in committed:
             try:
                 manifest = store.manifest(step)
                 loader = _StorageShards(store, step, manifest)
-                saved_world = int(manifest["world"])
+                saved_world = manifest.world
                 primary = rank if rank < saved_world else 0
                 if distributed:
                     loader.verify([primary])
@@ -434,17 +524,37 @@ class Checkpointer:
             except CheckpointCorruptError as exc:
                 warnings.warn(f"skipping checkpoint step-{step}: {exc}", stacklevel=2)
                 log.warning("skipping corrupt checkpoint", step=step, error=str(exc))
+                self._rejected[step] = str(exc)
+                self._report("checkpoint_skipped", step=step, rank=rank, error=str(exc))
                 ok = False
             if distributed:
                 flag = torch.tensor([1 if ok else 0])
                 torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
                 if ok and not int(flag[0]):
                     log.warning("another rank rejected checkpoint; trying an older one", step=step)
+                    self._rejected[step] = "rejected by another rank"
                 ok = bool(int(flag[0]))
             if not ok:
                 continue
             return step, loader.rebuild(primary, template)
+        if committed:  # there were steps, and none verified
+            listed = ", ".join(map(str, committed))
+            where = _where(self.spec)
+            why = f"committed checkpoint steps {listed} in {where} all failed verification"
+            if rank == 0:
+                self._report("started_from_scratch", rank=rank, steps=committed, error=why)
+            if self.require_restore:
+                raise CheckpointRestoreError(
+                    f"nothing to restore: {why}, and restoring one is required "
+                    "(checkpoint.require_restore): repair or remove them, or allow a start "
+                    "from scratch"
+                )
         return None
+
+
+def _where(spec: dict[str, Any]) -> str:
+    options = spec.get("options") or {}
+    return str(options.get("path") or options.get("url") or spec.get("backend"))
 
 
 def _tensors_json(layout: Layout) -> bytes:
@@ -483,15 +593,22 @@ def _fill(raw: torch.Tensor, entry: TensorEntry, old: Any) -> torch.Tensor:
 class _StorageShards:
     """One committed step's shards, read and verified on demand."""
 
-    def __init__(self, store: CheckpointStore, step: int, manifest: dict[str, Any]) -> None:
+    def __init__(self, store: CheckpointStore, step: int, manifest: Manifest) -> None:
         self.store = store
         self.step = step
         self.manifest = manifest
         self._shards: dict[int, tuple[ShardRecord, bytes]] = {}
 
     def verify(self, ranks: Any) -> None:
+        """Every file these ranks read matches the manifest, and their layout fits their data
+        (before the ranks agree on the step: nothing may fail after that)."""
         for rank in ranks:
-            self.shard(rank)
+            _, data = self.shard(rank)
+            for entry in self.entries(rank):
+                if entry.offset + entry.nbytes > len(data):
+                    raise CheckpointCorruptError(
+                        f"step-{self.step}/rank-{rank}.bin: tensor {entry.path} lies beyond its end"
+                    )
 
     def shard(self, rank: int) -> tuple[ShardRecord, bytes]:
         if rank not in self._shards:
@@ -500,7 +617,12 @@ class _StorageShards:
 
     def entries(self, rank: int) -> list[TensorEntry]:
         record, _ = self.shard(rank)
-        return [TensorEntry.from_json(e) for e in record.meta["tensors"]]
+        try:
+            return [TensorEntry.from_json(e) for e in record.meta.tensors]
+        except (ValueError, KeyError, TypeError) as exc:  # LayoutError is a TypeError
+            raise CheckpointCorruptError(
+                f"step-{self.step}/rank-{rank}.json: not a valid tensor layout ({exc})"
+            ) from exc
 
     def raw(self, rank: int, entry: TensorEntry) -> torch.Tensor:
         _, data = self.shard(rank)
@@ -519,7 +641,7 @@ class _StorageShards:
     def rebuild(self, primary: int, template: Any) -> Any:
         record, _ = self.shard(primary)
         entries = self.entries(primary)
-        world = int(self.manifest["world"])
+        world = self.manifest.world
 
         def tensor(index: int, old: Any) -> Any:
             entry = entries[index]
@@ -527,7 +649,7 @@ class _StorageShards:
                 return _reshard(old, entry, self, world)
             return _fill(self.raw(primary, entry), entry, old)
 
-        return rebuild(record.meta["tree"], tensor, template)
+        return rebuild(record.meta.tree, tensor, template)
 
 
 def _is_resharded(old: Any, entry: TensorEntry) -> bool:

@@ -7,27 +7,41 @@ its own. Workers talk to it over a Unix socket in JSON lines::
     -> {"op": "persist", "step": 120}      <- {"op": "pinned", "step": 120}
                                            or {"op": "error", "step": 120, "error": "..."}
     -> {"op": "wait"}                      <- {"op": "idle", "errors": [...]}
+    -> {"op": "report", "event": "checkpoint_skipped", "step": 20, ...}   <- {"op": "reported"}
+    -> {"op": "sync", "token": "..."}      <- {"op": "synced"}
 
 ``storage`` (``{backend, options}``, and ``keep_last``) is optional: a worker whose script names its
 own storage brings it; otherwise the storage this persister was started with is used. The choice
 is remembered per segment, so a persist at fault by the agent goes where the worker's go.
 
 ``persist`` answers as soon as the slot holding the step is pinned (a shared lock, so training's
-next saves use the other slot); the shard is written in the background. ``wait`` answers once
-everything this connection asked for is durable (and, for rank 0, committed). The persister that
-writes rank 0's shard commits the step once every rank's shard is there.
+next saves use the other slot), or at once if the step is committed already; the shard is written
+in the background. ``wait`` answers once everything this connection asked for is durable (and,
+for rank 0, committed or given up). The persister that writes rank 0's shard commits the step
+once every rank's shard is there (:mod:`planaria.checkpoint.committer`). ``hello`` may name the
+steps a restore rejected (``rejected``): they never count as kept, and are replaced when the same
+step is committed again.
 
 Events (``shard_persisted``, ``checkpoint_committed``, ``persist_failed``) are written as JSON lines
-to ``--events-fd`` when given (the agent forwards them to the master) and logged.
+to ``--events-fd`` when given (the agent forwards them to the master) and logged. ``report``
+passes a worker's restore outcome on the same way (``checkpoint_skipped``,
+``started_from_scratch``); ``sync`` writes a ``synced`` event carrying its token, so that the agent
+knows every event before it was read.
+
+The persister follows its parent (``--parent``): it is told at once when the parent dies
+(``PR_SET_PDEATHSIG``), polls as a backstop, and then finishes what was pinned and exits within
+a bounded time (``--stop-timeout``), giving steps that still wait for shards one grace period.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import os
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -36,17 +50,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from planaria.checkpoint.committer import Commit, Committer
 from planaria.checkpoint.segment import Segment, SlotInfo, remove_segments
 from planaria.checkpoint.storage import build_storage
 from planaria.checkpoint.store import CheckpointStore
 from planaria.errors import PlanariaError
 from planaria.log import configure, get_logger
+from planaria.shm import remove_dir
 
 log = get_logger("persister")
 
 SOCKET_DIR_PREFIX = "planaria-ckpt-"
-"""A standalone trainer's persister socket lives in a temporary directory named so; the
-persister removes it when it exits, also when the trainer was killed."""
+"""A standalone trainer's segment and persister socket live in a private directory in /dev/shm
+named so; the persister removes it when it exits, also when the trainer was killed."""
+
+STOP_GRACE = 5.0
+"""At exit, how long steps still waiting for another rank's shard may wait, all together."""
+REPORTS = ("checkpoint_skipped", "started_from_scratch")
+"""What a worker may report through its persister (its restore's outcome)."""
 
 
 @dataclass
@@ -81,21 +102,16 @@ class Persister:
         self.events = events
         self.commit_timeout = commit_timeout
         self._events_lock = threading.Lock()
-        self._commits: queue.Queue[tuple[CheckpointStore, int, int, _Connection] | None] = (
-            queue.Queue()
-        )
+        self._committer = Committer(self.emit, commit_timeout)
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self._connections: list[_Connection] = []
-        committer = threading.Thread(target=self._commit_loop, name="commit", daemon=True)
-        committer.start()
-        self._committer = committer
 
     # -- events ----------------------------------------------------------------------------
 
     def emit(self, kind: str, **fields: Any) -> None:
         record = {"event": kind, "time": time.time(), **fields}
-        level = "warning" if kind == "persist_failed" else "info"
+        level = {"persist_failed": "warning", "synced": "debug"}.get(kind, "info")
         getattr(log, level)(kind.replace("_", " "), **fields)
         if self.events is not None:
             with self._events_lock, contextlib.suppress(OSError, ValueError):
@@ -121,16 +137,17 @@ class Persister:
                 thread.start()
                 self._threads.append(thread)
 
-    def stop(self) -> None:
-        """Stop accepting; finish what was asked (pinned steps are still persisted)."""
+    def stop(self, timeout: float = 60.0) -> None:
+        """Stop accepting; finish what was asked (pinned steps are still persisted) within
+        ``timeout``; steps still waiting for other ranks' shards get :data:`STOP_GRACE`."""
+        deadline = time.monotonic() + timeout
         self._stopping.set()
         for conn in self._connections:
             conn.work.put(None)
         for thread in self._threads:
             if thread.name == "persist":
-                thread.join()
-        self._commits.put(None)
-        self._committer.join()
+                thread.join(max(0.0, deadline - time.monotonic()))
+        self._committer.stop(STOP_GRACE, max(0.0, deadline - time.monotonic()))
 
     def _send(self, conn: _Connection, message: dict[str, Any]) -> None:
         with contextlib.suppress(OSError):
@@ -152,6 +169,11 @@ class Persister:
                     self._pin(conn, int(request.get("step", -1)))
                 elif op == "wait":
                     threading.Thread(target=self._wait, args=(conn,), daemon=True).start()
+                elif op == "report":
+                    self._report(conn, request)
+                elif op == "sync":
+                    self.emit("synced", token=str(request.get("token", "")))
+                    self._send(conn, {"op": "synced"})
                 else:
                     self._send(conn, {"op": "error", "error": f"unknown op {op!r}"})
         except OSError:
@@ -178,10 +200,24 @@ class Persister:
         except (OSError, PlanariaError, RuntimeError, ValueError, TypeError) as exc:
             self._send(conn, {"op": "error", "error": f"cannot persist {path}: {exc}"})
             return
+        rejected = request.get("rejected") or []
+        if isinstance(rejected, list):
+            store.reject(s for s in rejected if isinstance(s, int) and not isinstance(s, bool))
         if conn.segment is not None:
             conn.segment.close()
         conn.segment, conn.store = segment, store
         self._send(conn, {"op": "ready"})
+
+    def _report(self, conn: _Connection, request: dict[str, Any]) -> None:
+        """A worker's restore outcome, passed on as an event."""
+        event = request.get("event")
+        types = {"step": int, "rank": int, "error": str, "steps": list}
+        fields = {k: request[k] for k, t in types.items() if isinstance(request.get(k), t)}
+        if event not in REPORTS:
+            self._send(conn, {"op": "error", "error": f"cannot report {event!r}"})
+            return
+        self.emit(str(event), **fields)
+        self._send(conn, {"op": "reported"})
 
     def _pin(self, conn: _Connection, step: int) -> None:
         if conn.segment is None:
@@ -190,6 +226,10 @@ class Persister:
         try:
             info = conn.segment.pin(step)
         except LookupError as exc:
+            if conn.store is not None and conn.store.usable(step):
+                self._send(conn, {"op": "pinned", "step": step, "committed": True})
+                return
+            self.emit("persist_failed", step=step, error=str(exc))
             self._send(conn, {"op": "error", "step": step, "error": str(exc)})
             return
         with conn.lock:
@@ -220,9 +260,10 @@ class Persister:
         assert segment is not None and store is not None
         started = time.time()
         try:
-            if info.step in store.committed_steps():
+            if store.usable(info.step):
                 # Committed already (a persist at fault of a persisted step, or a run that
-                # resumed into the same storage): the committed copy stays untouched.
+                # resumed into the same storage): the committed copy stays untouched. One that
+                # does not verify is written again and replaced at the commit.
                 log.info("step already committed; not persisted again", step=info.step)
                 return
             meta = segment.meta(info)
@@ -237,56 +278,33 @@ class Persister:
             if info.rank == 0:
                 with conn.lock:
                     conn.commits.add(info.step)
-                self._commits.put((store, info.step, info.world, conn))
+                done = self._commit_done(conn, info.step)
+                self._committer.submit(Commit(store, info.step, info.world, done))
         except (OSError, PlanariaError, ValueError) as exc:
             message = f"step {info.step} rank {info.rank}: {exc}"
             self.emit("persist_failed", step=info.step, rank=info.rank, error=str(exc))
             with conn.lock:
                 conn.errors.append(message)
+            # The step will never commit: say so to the rank that commits it, and, on that
+            # rank, have the step's partial removed once every rank is accounted for.
+            store.fail_shard(info.step, info.rank)
+            if info.rank == 0:
+                self._committer.submit(Commit(store, info.step, info.world, cleanup=True))
         finally:
             segment.unpin(info)
             with conn.lock:
                 conn.outstanding -= 1
                 conn.lock.notify_all()
 
-    def _commit_loop(self) -> None:
-        while True:
-            item = self._commits.get()
-            if item is None:
-                return
-            store, step, world, conn = item
-            try:
-                self._commit(store, step, world)
-            except (OSError, PlanariaError, ValueError) as exc:
-                self.emit("persist_failed", step=step, rank=0, error=f"commit: {exc}")
-                with conn.lock:
-                    conn.errors.append(f"step {step}: commit failed: {exc}")
-            finally:
-                with conn.lock:
-                    conn.commits.discard(step)
-                    conn.lock.notify_all()
+    def _commit_done(self, conn: _Connection, step: int) -> Any:
+        def done(error: str | None) -> None:
+            with conn.lock:
+                if error is not None:
+                    conn.errors.append(error)
+                conn.commits.discard(step)
+                conn.lock.notify_all()
 
-    def _commit(self, store: CheckpointStore, step: int, world: int) -> None:
-        started = time.time()
-        delay = 0.01
-        while not store.ready_to_commit(step, world):
-            if time.time() - started > self.commit_timeout:
-                raise TimeoutError(
-                    f"not every rank's shard arrived within {self.commit_timeout:g}s"
-                )
-            if self._stopping.is_set() and time.time() - started > 5:
-                raise TimeoutError("stopped before every rank's shard arrived")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.5)
-        manifest = store.commit(step, world)
-        total = sum(f["size"] for f in manifest["files"].values())
-        self.emit(
-            "checkpoint_committed",
-            step=step,
-            world=world,
-            bytes=total,
-            seconds=round(time.time() - started, 4),
-        )
+        return done
 
 
 # -- the client side (agents and checkpointers) ---------------------------------------------------
@@ -326,12 +344,29 @@ def ask(sock: socket.socket, reader: Any, message: dict[str, Any], expect: str) 
     return reply
 
 
-def _watch_parent(pid: int, done: threading.Event) -> None:
-    while not done.is_set():
+_PR_SET_PDEATHSIG = 1
+
+
+def _follow_parent(pid: int, done: threading.Event) -> None:
+    """Set ``done`` once process ``pid`` (the parent) is gone. The kernel tells at once
+    (SIGHUP, PR_SET_PDEATHSIG); it also tells when only the thread that started this process
+    ends, hence the check of the parent's pid. A poll is the backstop (no prctl, a race)."""
+
+    def parent_gone(*_: Any) -> None:
         if os.getppid() != pid:
             done.set()
-            return
-        time.sleep(0.2)
+
+    if sys.platform == "linux":
+        signal.signal(signal.SIGHUP, parent_gone)
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGHUP))
+
+    def poll() -> None:
+        while not done.is_set():
+            parent_gone()
+            time.sleep(0.2)
+
+    threading.Thread(target=poll, name="parent", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -343,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--events-fd", type=int, default=-1)
     parser.add_argument("--remove-segments", default="", help="segment prefix to remove at exit")
     parser.add_argument("--commit-timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--stop-timeout", type=float, default=60.0, help="at exit, the most time to finish in"
+    )
     args = parser.parse_args(argv)
     # Logs go to stderr: stdout carries the "ready" handshake of a standalone persister.
     configure(stream=sys.stderr)
@@ -366,28 +404,25 @@ def main(argv: list[str] | None = None) -> int:
     listener.listen(64)
 
     done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
     if args.parent:
-        threading.Thread(target=_watch_parent, args=(args.parent, done), daemon=True).start()
+        _follow_parent(args.parent, done)
     server = threading.Thread(target=persister.serve, args=(listener,), daemon=True)
     server.start()
     if events is not None:
         persister.emit("persister_ready", pid=os.getpid())
     else:
         print("ready", flush=True)
-    import signal
-
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
     with contextlib.suppress(KeyboardInterrupt):
         done.wait()
-    persister.stop()
+    persister.stop(args.stop_timeout)
     listener.close()
     with contextlib.suppress(FileNotFoundError):
         args.socket.unlink()
-    if args.socket.parent.name.startswith(SOCKET_DIR_PREFIX):  # a standalone trainer's
-        with contextlib.suppress(OSError):
-            args.socket.parent.rmdir()
     if args.remove_segments:
         remove_segments(args.remove_segments)
+    if args.socket.parent.name.startswith(SOCKET_DIR_PREFIX):  # a standalone trainer's
+        remove_dir(args.socket.parent)
     return 0
 
 

@@ -34,6 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from planaria.shm import SHM_DIR as SHM_DIR
+from planaria.shm import UnsafePathError, create_file, open_file, remove_dir
+
 if TYPE_CHECKING:
     import torch
 
@@ -45,8 +48,6 @@ DESC = struct.Struct("<IIqqqqqqd")  # state, pad, step, rank, world, seq, data_l
 DESC_OFFSET = 64
 SLOTS = 2
 EMPTY, WRITING, VALID = 0, 1, 2
-
-SHM_DIR = Path("/dev/shm")
 
 
 class SegmentError(RuntimeError):
@@ -92,7 +93,7 @@ class Segment:
         """A new, empty segment of ``SLOTS`` slots of ``capacity`` bytes (replacing any)."""
         capacity = _page_align(max(capacity, PAGE))
         tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd = create_file(tmp)
         try:
             os.ftruncate(fd, PAGE + SLOTS * capacity)
             mapping = mmap.mmap(fd, PAGE + SLOTS * capacity)
@@ -111,8 +112,12 @@ class Segment:
 
     @classmethod
     def open(cls, path: Path, *, writable: bool = False) -> Segment:
-        """An existing segment; :class:`SegmentError` if it is not one."""
-        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+        """An existing segment; :class:`SegmentError` if it is not one (or not this user's
+        own file: a link or another user's file is never read nor written)."""
+        try:
+            fd = open_file(path, os.O_RDWR if writable else os.O_RDONLY)
+        except UnsafePathError as exc:
+            raise SegmentError(str(exc)) from None
         try:
             size = os.fstat(fd).st_size
             if size < PAGE:
@@ -375,12 +380,18 @@ _READ_PIECE = 16 << 20
 
 
 def remove_segments(prefix: str) -> int:
-    """Remove every segment (and leftover temporary file) under ``prefix``; how many."""
+    """Remove every segment (and leftover temporary file) under ``prefix``; how many. A
+    private directory of ours (:mod:`planaria.shm`) goes whole."""
     base = Path(prefix)
+    if base.is_dir() and not base.is_symlink():
+        return int(remove_dir(base))
     removed = 0
     with contextlib.suppress(FileNotFoundError):
         for name in os.listdir(base.parent):
             if name.startswith(base.name) or name.startswith(f".{base.name}"):
+                if (base.parent / name).is_dir():
+                    removed += remove_dir(base.parent / name)
+                    continue
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(base.parent / name)
                     removed += 1

@@ -12,19 +12,26 @@ A step is committed once every rank's shard is in ``step-N.partial/``: the manif
 size and xxh3-64 checksum) is written last, the directory is renamed to ``step-N/`` by the
 storage's atomic commit, then ``latest`` is updated and steps beyond ``keep_last`` are deleted.
 A reader takes only ``step-N/`` with a manifest, and checks the size and checksum of every file
-it reads against it; anything that does not verify is skipped with a warning naming it.
+it reads against it; anything that does not verify is skipped with a warning naming it. The
+manifest and the shard records are validated as a whole (:class:`Manifest`, :class:`ShardRecord`):
+a malformed one is a step that does not verify, whatever is wrong in it.
+
+A rank whose shard cannot be written leaves ``step-N.partial/rank-R.failed`` (empty: it fits on
+a full disk), so that the persister committing the step gives up at once instead of waiting.
+Retention keeps the newest ``keep_last`` steps that verify (see :meth:`CheckpointStore.retain`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import xxhash
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from planaria.errors import CheckpointCorruptError, StorageError
 from planaria.log import get_logger
@@ -32,8 +39,8 @@ from planaria.storage import CheckpointStorage
 
 log = get_logger("checkpoint")
 
-FORMAT = "planaria-flash/1"
-HASH = "xxh3_64"
+FORMAT: Literal["planaria-flash/1"] = "planaria-flash/1"
+HASH: Literal["xxh3_64"] = "xxh3_64"
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _STEP = re.compile(r"^step-(\d+)$")
@@ -54,6 +61,13 @@ def record_name(rank: int) -> str:
     return f"rank-{rank}.json"
 
 
+def failed_name(rank: int) -> str:
+    return f"rank-{rank}.failed"
+
+
+_FAILED = re.compile(r"^rank-(\d+)\.failed$")
+
+
 def checksum(chunks: Iterable[bytes | memoryview]) -> tuple[int, str]:
     digest = xxhash.xxh3_64()
     size = 0
@@ -63,48 +77,83 @@ def checksum(chunks: Iterable[bytes | memoryview]) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-@dataclass(frozen=True)
-class ShardRecord:
+class _Strict(BaseModel):
+    # Strict: a flipped byte that turns a number into a string or a float is corruption, not
+    # something to coerce.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class FileEntry(_Strict):
+    """One file of a committed step, as the manifest lists it."""
+
+    size: int = Field(ge=0)
+    checksum: str = Field(pattern=r"^[0-9a-f]{16}$")
+
+
+class Manifest(_Strict):
+    """A committed step's ``manifest.json``: written last, it vouches for every file."""
+
+    format: Literal["planaria-flash/1"]
+    step: int = Field(ge=0)
+    world: int = Field(ge=1)
+    hash: Literal["xxh3_64"]
+    created: float
+    files: dict[str, FileEntry]
+
+
+class ShardMeta(BaseModel):
+    """A shard's layout: its tensors in the flat buffer and the state's tree (see
+    :mod:`planaria.checkpoint.layout`)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, strict=True)
+
+    tensors: list[dict[str, Any]]
+    tree: Any
+    step: int
+
+
+class ShardRecord(_Strict):
     """What the persister writes beside a shard, and what the manifest lists."""
 
-    rank: int
-    world: int
-    step: int
-    size: int
-    checksum: str
-    meta: dict[str, Any]
+    format: Literal["planaria-flash/1"] = FORMAT
+    rank: int = Field(ge=0)
+    world: int = Field(ge=1)
+    step: int = Field(ge=0)
+    size: int = Field(ge=0)
+    hash: Literal["xxh3_64"] = HASH
+    checksum: str = Field(pattern=r"^[0-9a-f]{16}$")
+    meta: ShardMeta
 
     def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "format": FORMAT,
-                "rank": self.rank,
-                "world": self.world,
-                "step": self.step,
-                "size": self.size,
-                "hash": HASH,
-                "checksum": self.checksum,
-                "meta": self.meta,
-            },
-            separators=(",", ":"),
-        ).encode()
+        return self.model_dump_json().encode()
 
     @classmethod
     def parse(cls, raw: bytes, where: str) -> ShardRecord:
-        try:
-            obj = json.loads(raw)
-            if obj.get("format") != FORMAT or obj.get("hash") != HASH:
-                raise ValueError(f"format {obj.get('format')!r}, hash {obj.get('hash')!r}")
-            return cls(
-                rank=int(obj["rank"]),
-                world=int(obj["world"]),
-                step=int(obj["step"]),
-                size=int(obj["size"]),
-                checksum=str(obj["checksum"]),
-                meta=dict(obj["meta"]),
-            )
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointCorruptError(f"{where}: not a valid shard record ({exc})") from exc
+        return _parse(cls, raw, where, "shard record")
+
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"a key appears twice in {sorted(keys)}")
+    return dict(pairs)
+
+
+def _parse(model: type[_Model], raw: bytes, where: str, what: str) -> _Model:
+    """``raw`` as ``model``, or :class:`CheckpointCorruptError` saying what is wrong in it."""
+    try:
+        return model.model_validate(json.loads(raw, object_pairs_hook=_unique), strict=True)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '<top>'}: {e['msg']}"
+            for e in exc.errors(include_url=False)[:3]
+        )
+        raise CheckpointCorruptError(f"{where}: not a valid {what} ({problems})") from None
+    except (ValueError, TypeError, RecursionError) as exc:  # not JSON, not UTF-8, duplicates
+        raise CheckpointCorruptError(f"{where}: not a valid {what} ({exc})") from None
 
 
 def _chunks(view: memoryview, size: int = 64 << 20) -> Iterator[memoryview]:
@@ -118,6 +167,8 @@ class CheckpointStore:
     def __init__(self, storage: AnyStorage, keep_last: int = 3) -> None:
         self.storage = storage
         self.keep_last = keep_last
+        self.rejected: set[int] = set()
+        """Steps a verified read rejected (:meth:`reject`)."""
 
     # -- writing (the persister) ---------------------------------------------------------------
 
@@ -132,21 +183,41 @@ class CheckpointStore:
                 digest.update(chunk)
                 yield chunk
 
+        layout = ShardMeta.model_validate(meta)
         partial = step_dir(step, partial=True)
         size = self.storage.write(f"{partial}/{shard_name(rank)}", hashed())
-        record = ShardRecord(rank, world, step, size, digest.hexdigest(), meta)
+        record = ShardRecord(
+            rank=rank, world=world, step=step, size=size, checksum=digest.hexdigest(), meta=layout
+        )
         self.storage.write(f"{partial}/{record_name(rank)}", [record.to_json()])
         return record
 
-    def ready_to_commit(self, step: int, world: int) -> bool:
-        names = set(self.storage.list(step_dir(step, partial=True)))
-        return all(record_name(rank) in names for rank in range(world))
+    def fail_shard(self, step: int, rank: int) -> None:
+        """This rank's shard of ``step`` will not come (its write failed): free what was written
+        of it and leave the marker that ends the step's commit. Best effort: the storage may be
+        failing too."""
+        partial = step_dir(step, partial=True)
+        for name in (record_name(rank), shard_name(rank)):
+            with contextlib.suppress(StorageError, OSError):
+                self.storage.delete(f"{partial}/{name}")
+        with contextlib.suppress(StorageError, OSError):
+            self.storage.write(f"{partial}/{failed_name(rank)}", [])
 
-    def commit(self, step: int, world: int) -> dict[str, Any]:
+    def commit_progress(self, step: int, world: int) -> tuple[set[int], set[int]]:
+        """(the ranks whose record of ``step`` is in, the ranks that gave up on it)."""
+        names = set(self.storage.list(step_dir(step, partial=True)))
+        failed = {int(m.group(1)) for n in names if (m := _FAILED.match(n))}
+        return {r for r in range(world) if record_name(r) in names}, failed
+
+    def abandon(self, step: int) -> None:
+        """Remove ``step-N.partial/``: the step will never be committed."""
+        self.storage.delete(step_dir(step, partial=True))
+
+    def commit(self, step: int, world: int) -> Manifest:
         """Write the manifest of a complete ``step-N.partial/``, rename it to ``step-N/``,
         point ``latest`` at it and apply retention. Returns the manifest."""
         partial = step_dir(step, partial=True)
-        files: dict[str, dict[str, Any]] = {}
+        files: dict[str, FileEntry] = {}
         for rank in range(world):
             raw = self.storage.read(f"{partial}/{record_name(rank)}")
             record = ShardRecord.parse(raw, f"{partial}/{record_name(rank)}")
@@ -155,37 +226,62 @@ class CheckpointStore:
                     f"{partial}/{record_name(rank)} describes rank {record.rank} of "
                     f"{record.world} at step {record.step}, not rank {rank} of {world} at {step}"
                 )
-            files[shard_name(rank)] = {"size": record.size, "checksum": record.checksum}
+            files[shard_name(rank)] = FileEntry(size=record.size, checksum=record.checksum)
             size, digest = checksum([raw])
-            files[record_name(rank)] = {"size": size, "checksum": digest}
-        manifest = {
-            "format": FORMAT,
-            "step": step,
-            "world": world,
-            "hash": HASH,
-            "created": time.time(),
-            "files": files,
-        }
-        self.storage.write(f"{partial}/{MANIFEST}", [json.dumps(manifest, indent=1).encode()])
+            files[record_name(rank)] = FileEntry(size=size, checksum=digest)
+        if step in self.committed_steps() and not self.usable(step):
+            # A step of this number that does not verify (an earlier run's, corrupt): the new,
+            # good one takes its place.
+            log.warning("replacing a committed step that does not verify", step=step)
+            self.storage.delete(step_dir(step))
+        self.rejected.discard(step)
+        manifest = Manifest(
+            format=FORMAT, step=step, world=world, hash=HASH, created=time.time(), files=files
+        )
+        self.storage.write(f"{partial}/{MANIFEST}", [manifest.model_dump_json(indent=1).encode()])
         self.storage.commit(partial, step_dir(step))
         self.storage.write(LATEST, [json.dumps({"step": step}).encode()])
         self.retain()
         return manifest
 
     def retain(self) -> list[str]:
-        """Delete committed steps beyond ``keep_last`` and partial steps older than the newest
-        committed one. Returns what was deleted."""
+        """Keep the newest ``keep_last`` steps that verify; delete every step older than the
+        oldest of them and every partial step not newer than the newest. Returns what was
+        deleted.
+
+        A step that does not verify never counts as kept, so it cannot push a good step out.
+        One newer than the kept ones stays (readers skip it; it is the evidence of what went
+        wrong, and the verdict may come from a read error rather than from its bytes) until it
+        is older than every kept step, or until a new commit of its step number replaces it.
+        """
         committed = self.committed_steps()
-        doomed = [step_dir(s) for s in committed[self.keep_last :]]
-        if committed:
-            newest = committed[0]
-            for name in self.storage.list(""):
-                match = _PARTIAL.match(name)
-                if match and int(match.group(1)) <= newest:
-                    doomed.append(name)
+        kept = [s for s in committed if self.usable(s)][: self.keep_last]
+        if not kept:
+            return []
+        doomed = [step_dir(s) for s in committed if s < kept[-1]]
+        for name in self.storage.list(""):
+            match = _PARTIAL.match(name)
+            if match and int(match.group(1)) <= kept[0]:
+                doomed.append(name)
         for key in doomed:
             self.storage.delete(key)
         return doomed
+
+    def reject(self, steps: Iterable[int]) -> None:
+        """Steps that a verified read rejected (a restore skipped them): they never count as
+        kept, and a new commit of the same step replaces them."""
+        self.rejected.update(steps)
+
+    def usable(self, step: int) -> bool:
+        """Whether ``step`` is committed with a valid manifest and no reader rejected it (the
+        shards themselves are checked only when read)."""
+        if step in self.rejected:
+            return False
+        try:
+            self.manifest(step)
+        except CheckpointCorruptError:
+            return False
+        return True
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -198,49 +294,57 @@ class CheckpointStore:
                 steps.append(int(match.group(1)))
         return sorted(steps, reverse=True)
 
-    def manifest(self, step: int) -> dict[str, Any]:
+    def manifest(self, step: int) -> Manifest:
         key = f"{step_dir(step)}/{MANIFEST}"
         try:
             raw = self.storage.read(key)
         except FileNotFoundError:
             raise CheckpointCorruptError(f"{key}: missing (the step was never committed)") from None
-        try:
-            manifest: dict[str, Any] = json.loads(raw)
-            if manifest.get("format") != FORMAT or manifest.get("hash") != HASH:
-                raise ValueError(f"format {manifest.get('format')!r}")
-            if int(manifest["step"]) != step or not isinstance(manifest["files"], dict):
-                raise ValueError(f"it describes step {manifest.get('step')}")
-            int(manifest["world"])
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointCorruptError(f"{key}: not a valid manifest ({exc})") from exc
+        except (StorageError, OSError) as exc:
+            raise CheckpointCorruptError(f"{key}: cannot be read ({exc})") from exc
+        manifest = _parse(Manifest, raw, key, "manifest")
+        if manifest.step != step:
+            raise CheckpointCorruptError(
+                f"{key}: not a valid manifest (it describes step {manifest.step})"
+            )
         return manifest
 
-    def read_verified(self, step: int, name: str, manifest: dict[str, Any]) -> bytes:
+    def read_verified(self, step: int, name: str, manifest: Manifest) -> bytes:
         """A whole file of a committed step, checked against the manifest."""
         key = f"{step_dir(step)}/{name}"
-        expected = manifest["files"].get(name)
+        expected = manifest.files.get(name)
         if expected is None:
             raise CheckpointCorruptError(f"{key}: not listed in the manifest")
         try:
             raw = self.storage.read(key)
         except FileNotFoundError:
             raise CheckpointCorruptError(f"{key}: listed in the manifest but missing") from None
-        except StorageError as exc:
+        except (StorageError, OSError) as exc:
             raise CheckpointCorruptError(f"{key}: cannot be read ({exc})") from exc
-        if len(raw) != expected["size"]:
+        if len(raw) != expected.size:
             raise CheckpointCorruptError(
-                f"{key}: {len(raw)} bytes, the manifest says {expected['size']}"
+                f"{key}: {len(raw)} bytes, the manifest says {expected.size}"
             )
         _, digest = checksum([raw])
-        if digest != expected["checksum"]:
+        if digest != expected.checksum:
             raise CheckpointCorruptError(
-                f"{key}: checksum {digest} does not match the manifest's {expected['checksum']}"
+                f"{key}: checksum {digest} does not match the manifest's {expected.checksum}"
             )
         return raw
 
-    def shard(self, step: int, rank: int, manifest: dict[str, Any]) -> tuple[ShardRecord, bytes]:
+    def shard(self, step: int, rank: int, manifest: Manifest) -> tuple[ShardRecord, bytes]:
         """One rank's verified record and data."""
         where = f"{step_dir(step)}/{record_name(rank)}"
         record = ShardRecord.parse(self.read_verified(step, record_name(rank), manifest), where)
+        if (record.rank, record.world, record.step) != (rank, manifest.world, step):
+            raise CheckpointCorruptError(
+                f"{where}: describes rank {record.rank} of {record.world} at step {record.step}, "
+                f"the manifest rank {rank} of {manifest.world} at step {step}"
+            )
+        listed = manifest.files.get(shard_name(rank))
+        if listed is None or (listed.size, listed.checksum) != (record.size, record.checksum):
+            raise CheckpointCorruptError(
+                f"{where}: its shard's size and checksum differ from the manifest's"
+            )
         data = self.read_verified(step, shard_name(rank), manifest)
         return record, data

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from planaria.health import Status
 
@@ -34,4 +35,9 @@ def print_json(data: Any) -> None:
 
 
 def error(message: str) -> None:
-    err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
+    # Escaped: a message quotes the user's values, and "[x, y]" is no markup of ours.
+    err.print(f"[bold red]error:[/] {escape(message)}", markup=True, highlight=False)
+
+
+def warning(message: str) -> None:
+    err.print(f"[bold yellow]warning:[/] {escape(message)}", markup=True, highlight=False)

@@ -4,28 +4,35 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import errno
 import os
 import secrets
+import shutil
 import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from aiohttp import web
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from planaria import log
-from planaria.cli.app import SetOption, app, configure_logging
-from planaria.cli.output import error, out
+from planaria.cli.app import EXIT_USAGE, SetOption, app, configure_logging
+from planaria.cli.output import error, out, warning
 from planaria.config import ResolvedConfig, load_raw, read
+from planaria.config.machine import machine_issues, workdir_issues
 from planaria.diagnosis.setup import BENCHMARK_PATH, agent_spec, master_policy
 from planaria.errors import ConfigError, ConfigIssue
 from planaria.events import EventKind, JobEvent
+from planaria.master.diagnosis import stopped_on_start
 from planaria.master.job import JobSettings, JobState, Master
 from planaria.master.preflight import PreflightReport
-from planaria.master.server import make_app, serve
+from planaria.master.server import ServerLimits, make_app, serve
 from planaria.master.timeline import Summary
+from planaria.master.transport import transport
 from planaria.plugin.manager import PluginManager
 from planaria.protocol import MASTER_ENV, TOKEN_ENV, CheckpointSpec, JobSpec
 from planaria.scheduler import LaunchSpec
@@ -64,6 +71,7 @@ def _prepare(
             )
         )
     issues += preflight_issues(resolved)
+    issues += machine_issues(resolved)
     if resolved.config.rendezvous.backend != "master":
         issues.append(
             ConfigIssue(
@@ -91,7 +99,17 @@ def _run_dir(resolved: ResolvedConfig) -> tuple[str, Path]:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_id = f"{job.name}-{stamp}-{secrets.token_hex(2)}"
     run_dir = (job.workdir / job.run_dir / run_id).absolute()
-    (run_dir / "logs").mkdir(parents=True, mode=0o700)
+    issues = workdir_issues(resolved)  # never made here: a missing one is a mistake
+    if issues:
+        raise ConfigError(issues, resolved.source)
+    try:
+        (run_dir / "logs").mkdir(parents=True, mode=0o700)
+    except OSError as exc:
+        message = (
+            f"cannot create the run directory {run_dir}: {exc.strerror or exc}; set "
+            "job.run_dir to a directory this user can write"
+        )
+        raise ConfigError([resolved.issue("job.run_dir", message)], resolved.source) from None
     return run_id, run_dir
 
 
@@ -133,6 +151,15 @@ def print_summary(summary: Summary, run_dir: Path) -> None:
         table.add_row(
             "checkpoints committed", f"{summary.checkpoints} (last: step {summary.last_checkpoint})"
         )
+    # Text, not markup: these carry file names and error messages.
+    if summary.unpersisted:
+        table.add_row(Text("not persisted", "bold red"), Text(summary.unpersisted))
+    if summary.persister_restarts:
+        table.add_row("persister restarts", str(summary.persister_restarts))
+    if summary.skipped_checkpoints:
+        table.add_row("skipped checkpoints", Text("\n".join(summary.skipped_checkpoints)))
+    if summary.started_from_scratch:
+        table.add_row(Text("started from scratch", "bold red"), Text(summary.started_from_scratch))
     out.print(table)
     if summary.faults:
         faults = Table(title="faults")
@@ -208,7 +235,29 @@ def _checkpoint_spec(resolved: ResolvedConfig, run_dir: Path) -> CheckpointSpec:
         keep_last=section.keep_last,
         persist_every=section.persist_every,
         persist_on_fault=section.persist_on_fault,
+        require_restore=section.require_restore,
+        allow_unpersisted_end=section.allow_unpersisted_end,
     )
+
+
+async def _serve(
+    resolved: ResolvedConfig, app_: web.Application, master: Master, run_dir: Path
+) -> tuple[web.AppRunner, int]:
+    """Serve the API. An address or port this machine cannot give is the config's problem;
+    the run that could not start leaves nothing behind, its directory included."""
+    host, port = resolved.config.master.host, resolved.config.master.port
+    try:
+        return await serve(app_, host, port)
+    except OSError as exc:
+        master.timeline.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+        why = exc.strerror or str(exc)
+        if exc.errno == errno.EADDRINUSE:
+            where, hint = "master.port", "choose another master.port, or 0 for any free one"
+        else:
+            where, hint = "master.host", "set master.host to an address of this machine"
+        message = f"the master cannot listen on {host}:{port}: {why}; {hint}"
+        raise ConfigError([resolved.issue(where, message)], resolved.source) from None
 
 
 async def _run(
@@ -254,10 +303,17 @@ async def _run(
         diagnosis=master_policy(resolved, manager, preflight_only),
     )
     master = Master(settings, scheduler, run_dir, observe)
-    app_ = make_app(master, token, hold=config.master.heartbeat_interval)
-    runner, port = await serve(app_, config.master.host, config.master.port)
+    limits = ServerLimits(
+        request_timeout=config.master.request_timeout,
+        per_client=config.master.max_connections_per_client,
+    )
+    app_ = make_app(master, token, hold=config.master.heartbeat_interval, limits=limits)
+    runner, port = await _serve(resolved, app_, master, run_dir)
+    wire = transport(config.master.host)
+    if wire.warning:
+        warning(wire.warning)
     advertise = config.master.advertise or config.master.host
-    url = f"http://{advertise}:{port}"
+    url = f"{wire.scheme}://{advertise}:{port}"
     agents = LaunchSpec(
         job=job.name,
         command=(sys.executable, "-m", "planaria", "agent"),
@@ -311,13 +367,14 @@ def run_command(
 ) -> None:
     """Run a training job: master, nodes, rendezvous, supervision and recovery.
 
-    Exit 0 only if the training command succeeded.
+    Exit 0 only if the training command succeeded; 2 for a bad config, and for workers that
+    cannot start.
     """
     resolved, manager = _prepare(file, set_ or [], chaos or [], command or [])
     summary, run_dir = asyncio.run(_run(resolved, manager))
     print_summary(summary, run_dir)
     if summary.state != JobState.SUCCEEDED.value:
-        raise SystemExit(1)
+        raise SystemExit(EXIT_USAGE if stopped_on_start(summary) else 1)
 
 
 @app.command("agent", hidden=True)
@@ -329,7 +386,9 @@ def agent_command(
     """Run this node's agent (started by the scheduler; the token comes in PLANARIA_TOKEN)."""
     from planaria.agent.main import main as agent_main
 
-    token = os.environ.get(TOKEN_ENV)
+    # Out of the environment: nothing this agent starts (workers, the warm interpreter, the
+    # persister) talks to the master, so nothing it starts gets the job's token.
+    token = os.environ.pop(TOKEN_ENV, None)
     if not master or not token or not node_id:
         error(f"the agent needs {MASTER_ENV}, {TOKEN_ENV} and PLANARIA_NODE_ID")
         raise SystemExit(2)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -37,12 +37,103 @@ class RawConfig:
         self.source = source
 
 
+MAX_ALIAS_VALUES = 10_000
+"""The most values YAML aliases may add to a file. A config file reuses a few sections; an
+alias bomb ("billion laughs": ``b: &b [*a, *a, ...]`` nested a few times) makes a few hundred
+bytes expand into billions of values."""
+MAX_DEPTH = 64
+"""The deepest nesting a config file may have (a real one has fewer than ten levels)."""
+
+
 class _StrictLoader(yaml.SafeLoader):
-    """Safe YAML that rejects a key given twice in one mapping (PyYAML keeps the last)."""
+    """Safe YAML that rejects a key given twice in one mapping (PyYAML keeps the last), an
+    alias inside the value it names, nesting deeper than :data:`MAX_DEPTH`, and aliases that
+    expand the file by more than :data:`MAX_ALIAS_VALUES` values.
+
+    PyYAML composes an alias as a reference to the anchored node, so a bomb is small in memory
+    until something walks its values (the line map, validation) and meets every copy: the
+    expansion is counted while composing, in time proportional to the file."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._path: list[str | int] = []
+        self._open: list[str | None] = []  # anchors of the collections being composed
+        self._sizes: dict[int, int] = {}
+        self._added = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        pushed = parent is not None and index is not None
+        if pushed:  # a mapping's value (index: its key node) or a sequence's item
+            part = index.value if isinstance(index, yaml.Node) else index
+            self._path.append(part if isinstance(part, (str, int)) else "?")
+        event = self.peek_event()  # type: ignore[no-untyped-call]
+        collection = isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent))
+        if collection:
+            self._open.append(event.anchor)
+        try:
+            if isinstance(event, yaml.AliasEvent):
+                self._count_alias(event)
+            elif len(self._open) > MAX_DEPTH:
+                self._refuse(event, f"nested more than {MAX_DEPTH} levels deep")
+            return super().compose_node(parent, index)
+        finally:
+            if collection:
+                self._open.pop()
+            if pushed:
+                self._path.pop()
+
+    def _count_alias(self, event: yaml.AliasEvent) -> None:
+        if event.anchor in self._open:
+            self._refuse(
+                event,
+                f"the alias *{event.anchor} is inside the value it names, which would never "
+                "end; write the value out instead",
+            )
+        target = self.anchors.get(event.anchor)
+        if target is None:
+            return  # undefined: PyYAML says so
+        self._added += self._size(target)
+        if self._added > MAX_ALIAS_VALUES:
+            self._refuse(
+                event,
+                f"YAML aliases (here *{event.anchor}) expand the file by more than "
+                f"{MAX_ALIAS_VALUES} values, as an alias bomb does; a config file needs far "
+                "fewer: write the values out, or alias smaller pieces",
+            )
+
+    def _size(self, node: yaml.Node) -> int:
+        """How many values ``node`` stands for, its aliases expanded; each node is counted
+        once, so this takes as long as the file, not as its expansion."""
+        known = self._sizes.get(id(node))
+        if known is not None:
+            return known
+        size = 1
+        if isinstance(node, yaml.SequenceNode):
+            size += sum(self._size(item) for item in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            size += sum(self._size(k) + self._size(v) for k, v in node.value)
+        self._sizes[id(node)] = size
+        return size
+
+    def _refuse(self, event: yaml.Event, message: str) -> NoReturn:
+        line = None if event.start_mark is None else event.start_mark.line + 1
+        raise ConfigError([ConfigIssue(format_path(self._path), message, line)])
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep=deep)
+        except ValueError as exc:  # a scalar that looks like a type it is not: 2024-13-45
+            value = node.value if isinstance(node, yaml.ScalarNode) else ""
+            shown = value if len(value) <= 40 else value[:37] + "..."
+            reason = str(exc).split("; use sys.set_int_max_str_digits")[0]  # not for a file
+            message = f"cannot read {shown!r}: {reason}"
+            raise ConfigError([ConfigIssue("", message, node.start_mark.line + 1)]) from None
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # ``<<: *base``: its keys may be given again, that is its point
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
             if key in seen:
@@ -53,19 +144,29 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _line_map(node: yaml.Node | None, loc: Loc = ()) -> dict[Loc, int]:
-    lines: dict[Loc, int] = {}
+def _load_yaml(text: str) -> tuple[Any, dict[Loc, int]]:
+    """The data of a YAML document and the line of each value, composed once."""
+    loader = _StrictLoader(text)
+    try:
+        node = loader.get_single_node()
+        lines: dict[Loc, int] = {}
+        _line_map(node, (), lines)  # before construction, which rewrites merge keys (<<)
+        return (None if node is None else loader.construct_document(node)), lines
+    finally:
+        loader.dispose()
+
+
+def _line_map(node: yaml.Node | None, loc: Loc, lines: dict[Loc, int]) -> None:
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
             child = (*loc, key_node.value)
             lines[child] = key_node.start_mark.line + 1
-            lines.update(_line_map(value_node, child))
+            _line_map(value_node, child, lines)
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
             child = (*loc, index)
             lines[child] = item.start_mark.line + 1
-            lines.update(_line_map(item, child))
-    return lines
+            _line_map(item, child, lines)
 
 
 def parse_text(text: str, source: str, *, toml: bool = False) -> RawConfig:
@@ -74,11 +175,14 @@ def parse_text(text: str, source: str, *, toml: bool = False) -> RawConfig:
             data: Any = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError([ConfigIssue("", f"not valid TOML: {exc}")], source) from None
+        except RecursionError:
+            raise ConfigError(
+                [ConfigIssue("", "nested too deeply for a config file")], source
+            ) from None
         lines: dict[Loc, int] = {}
     else:
         try:
-            data = yaml.load(text, Loader=_StrictLoader)
-            lines = _line_map(yaml.compose(text, Loader=yaml.SafeLoader))
+            data, lines = _load_yaml(text)
         except ConfigError as exc:
             raise ConfigError(exc.issues, source) from None
         except yaml.YAMLError as exc:
@@ -138,9 +242,12 @@ def apply_overrides(raw: RawConfig, overrides: list[str]) -> None:
             continue
         try:
             parts = _parse_override_path(key.strip())
-            value = yaml.safe_load(text) if text.strip() else ""
+            value = _load_yaml(text)[0] if text.strip() else ""
         except (ValueError, yaml.YAMLError) as exc:
             issues.append(ConfigIssue(f"--set {item}", str(exc)))
+            continue
+        except ConfigError as exc:
+            issues += [ConfigIssue(f"--set {item}", issue.message) for issue in exc.issues]
             continue
         try:
             _set(raw.data, parts, value)

@@ -8,6 +8,8 @@ the selected plugin's own ``Options`` model validates it once the name is resolv
 
 from __future__ import annotations
 
+import os
+import re
 import shlex
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -27,6 +29,15 @@ from planaria.diagnosis.classify import FaultPattern
 from planaria.durations import Duration
 from planaria.errors import PluginError
 from planaria.plugin.records import PluginKind
+
+MAX_NODES = 100_000
+"""More nodes than any cluster has: the master is built for 10,000."""
+MAX_PROCS_PER_NODE = 1024
+"""More workers than any node has accelerators or cores; a scheduler bounds it further by
+what its nodes have."""
+MAX_ARG_STRLEN = 131072
+"""Linux refuses to start a program given one argument or environment string longer than
+this (32 pages), whatever ARG_MAX says."""
 
 
 class Section(BaseModel):
@@ -84,8 +95,8 @@ class NodeRange(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    min: int = Field(ge=1)
-    max: int = Field(ge=1)
+    min: int = Field(ge=1, le=MAX_NODES)
+    max: int = Field(ge=1, le=MAX_NODES)
 
     @model_validator(mode="before")
     @classmethod
@@ -93,17 +104,31 @@ class NodeRange(BaseModel):
         if isinstance(value, bool):
             raise ValueError('expected a node count such as 2, or a range "min:max" such as "2:4"')
         if isinstance(value, int):
-            return {"min": value, "max": value}
-        if isinstance(value, str):
+            value = {"min": value, "max": value}
+        elif isinstance(value, str):
             parts = value.split(":")
-            if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
+            if len(parts) not in (1, 2) or not all(re.fullmatch(r"\s*\d+\s*", p) for p in parts):
                 raise ValueError(
                     f"invalid node count {value!r}: expected a number such as 2, or a range "
                     '"min:max" such as "2:4"'
                 )
-            low, high = int(parts[0]), int(parts[-1])
-            return {"min": low, "max": high}
+            digits = [p.strip().lstrip("0") or "0" for p in parts]
+            if any(len(d) > len(str(MAX_NODES)) for d in digits):  # never parse 10**5000
+                raise ValueError(f"at most {MAX_NODES} nodes, got {value!r}")
+            value = {"min": int(digits[0]), "max": int(digits[-1])}
+        if isinstance(value, dict) and any(
+            isinstance(v, int) and v > MAX_NODES for v in value.values()
+        ):
+            raise ValueError(
+                f"at most {MAX_NODES} nodes, got {NodeRange._text(value)}: more than any "
+                "cluster has; ask for the nodes the job needs"
+            )
         return value
+
+    @staticmethod
+    def _text(value: dict[str, Any]) -> str:
+        low, high = value.get("min"), value.get("max")
+        return str(low) if low == high else f"{low}:{high}"
 
     @model_validator(mode="after")
     def _ordered(self) -> NodeRange:
@@ -115,7 +140,7 @@ class NodeRange(BaseModel):
     def __get_pydantic_json_schema__(cls, core_schema: Any, handler: Any) -> dict[str, Any]:
         return {
             "anyOf": [
-                {"type": "integer", "minimum": 1},
+                {"type": "integer", "minimum": 1, "maximum": MAX_NODES},
                 {"type": "string", "pattern": r"^\s*\d+\s*(:\s*\d+\s*)?$"},
             ],
             "description": 'number of nodes, or "min:max" for an elastic job',
@@ -129,6 +154,14 @@ class NodeRange(BaseModel):
         return str(self.min) if self.min == self.max else f"{self.min}:{self.max}"
 
 
+def _arg_max() -> int | None:
+    try:
+        limit = os.sysconf("SC_ARG_MAX")
+    except (ValueError, OSError):
+        return None
+    return limit if limit > 0 else None
+
+
 class JobSection(Section):
     name: str = Field(default="planaria-job", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
     command: list[str] = Field(
@@ -137,7 +170,7 @@ class JobSection(Section):
         "(never run through a shell)",
     )
     nodes: NodeRange = Field(default_factory=lambda: NodeRange(min=1, max=1))
-    procs_per_node: int = Field(default=1, ge=1)
+    procs_per_node: int = Field(default=1, ge=1, le=MAX_PROCS_PER_NODE)
     max_restarts: int = Field(default=3, ge=0)
     node_unit: int = Field(default=1, ge=1)
     workdir: Path = Path(".")
@@ -164,6 +197,67 @@ class JobSection(Section):
             except ValueError as exc:
                 raise ValueError(f"cannot split command {value!r}: {exc}") from None
         return value
+
+    @field_validator("command")
+    @classmethod
+    def _passable_args(cls, value: list[str]) -> list[str]:
+        for index, arg in enumerate(value):
+            if "\0" in arg:
+                raise ValueError(
+                    f"argument {index} ({arg!r}) holds a NUL byte, which no program can be given"
+                )
+            if len(os.fsencode(arg)) >= MAX_ARG_STRLEN:
+                raise ValueError(
+                    f"argument {index} is {len(os.fsencode(arg))} bytes long; Linux starts no "
+                    f"program with an argument of {MAX_ARG_STRLEN} bytes or more: pass large "
+                    "data in a file"
+                )
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _passable_env(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, text in value.items():
+            if not name or "=" in name or "\0" in name:
+                raise ValueError(
+                    f"invalid variable name {name!r}: a name must be non-empty, without '=' "
+                    "or NUL bytes"
+                )
+            if "\0" in text:
+                raise ValueError(
+                    f"the value of {name} holds a NUL byte, which no environment can carry"
+                )
+            size = len(os.fsencode(name)) + 1 + len(os.fsencode(text))
+            if size >= MAX_ARG_STRLEN:
+                raise ValueError(
+                    f"{name}={text[:20]!r}... is {size} bytes long; Linux starts no program "
+                    f"with a variable of {MAX_ARG_STRLEN} bytes or more: pass large data in a "
+                    "file"
+                )
+        return value
+
+    @field_validator("workdir", "run_dir")
+    @classmethod
+    def _passable_path(cls, value: Path) -> Path:
+        if "\0" in str(value):
+            raise ValueError(f"{str(value)!r} holds a NUL byte, which no path can")
+        return value
+
+    @model_validator(mode="after")
+    def _fits_exec(self) -> JobSection:
+        # What execve() takes: every string with its NUL and its pointer. The workers get the
+        # agent's own environment on top, so this is a floor; past it nothing can start.
+        size = sum(len(os.fsencode(arg)) + 1 + 8 for arg in self.command) + sum(
+            len(os.fsencode(k)) + len(os.fsencode(v)) + 2 + 8 for k, v in self.env.items()
+        )
+        limit = _arg_max()
+        if limit is not None and size > limit:
+            raise ValueError(
+                f"the command and env take {size} bytes, more than this machine passes to a "
+                f"program (ARG_MAX: {limit} bytes, shared with the inherited environment): "
+                "pass large data in a file"
+            )
+        return self
 
     @model_validator(mode="after")
     def _unit_fits(self) -> JobSection:
@@ -287,6 +381,16 @@ class CheckpointSection(Section):
     keep_last: int = Field(default=3, ge=1)
     persist_every: int = Field(default=100, ge=1, description="persist every N steps")
     persist_on_fault: bool = True
+    require_restore: bool = Field(
+        default=False,
+        description="stop the job, rather than start from scratch, when committed steps "
+        "exist but none verifies",
+    )
+    allow_unpersisted_end: bool = Field(
+        default=False,
+        description="let a job whose last persist failed end as succeeded (exit 0); by "
+        "default it ends failed, naming its last persisted step",
+    )
 
 
 class PluginsSection(Section):
@@ -313,6 +417,16 @@ class MasterSection(Section):
     )
     heartbeat_interval: Duration = 2.0
     heartbeat_timeout: Duration = 15.0
+    request_timeout: Duration = Field(
+        default=10.0,
+        gt=0,
+        description="a request's headers, and then its body, must arrive within this time",
+    )
+    max_connections_per_client: int = Field(
+        default=1024,
+        ge=1,
+        description="open connections one client address may hold; more are refused",
+    )
 
 
 class Config(Section):

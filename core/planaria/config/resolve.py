@@ -8,19 +8,22 @@ is not installed is left out rather than reported.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from planaria.checks.runner import ConfiguredCheck
-from planaria.config.errors import format_path, issues_from_validation
+from planaria.config.errors import Loc, format_path, issues_from_validation, line_of
 from planaria.config.loader import RawConfig, disabled_plugins, read, validate
 from planaria.config.models import BackendSection, Config
 from planaria.errors import ConfigError, ConfigIssue, PluginError
 from planaria.plugin.manager import PluginManager
 from planaria.plugin.records import HealthCheckRecord, PluginRecord, normalize_name
+from planaria.scheduler import Scheduler
 
 # Backend sections outside diagnosis.checks, by where they sit.
 BACKEND_PATHS: tuple[tuple[str, ...], ...] = (
@@ -48,6 +51,13 @@ class ResolvedConfig:
     """By dotted section path (``scheduler``, ``checkpoint.storage``); a section left at its
     default whose plugin is not installed is absent."""
     source: str | None = None
+    lines: Mapping[Loc, int] = field(default_factory=dict)
+    """The file's line of each value it spells out, for problems found after loading."""
+
+    def issue(self, path: str, message: str) -> ConfigIssue:
+        """A problem at dotted ``path`` (``job.workdir``), with the line it comes from."""
+        loc = tuple(int(p) if p.isdigit() else p for p in path.split("."))
+        return ConfigIssue(path, message, line_of(loc, self.lines))
 
     def dump(self) -> dict[str, Any]:
         """The whole configuration with every default filled in, options included.
@@ -150,4 +160,20 @@ def load_raw(
     except PluginError as exc:
         raise ConfigError([ConfigIssue("plugins", str(exc))], raw.source) from None
     config = validate(raw, manager)
-    return resolve(config, manager, raw.source), manager
+    resolved = dataclasses.replace(resolve(config, manager, raw.source), lines=raw.lines)
+    issues = capacity_issues(resolved)
+    if issues:
+        raise ConfigError(issues, raw.source)
+    return resolved, manager
+
+
+def capacity_issues(resolved: ResolvedConfig) -> list[ConfigIssue]:
+    """What the job's scheduler says it cannot give a job of this size."""
+    scheduler = resolved.backends.get("scheduler")
+    if scheduler is None or not issubclass(scheduler.record.factory, Scheduler):
+        return []
+    job = resolved.config.job
+    found = scheduler.record.factory.capacity_issues(
+        scheduler.options, nodes=job.nodes.max, procs_per_node=job.procs_per_node
+    )
+    return [resolved.issue(issue.path, issue.message) for issue in found]

@@ -102,7 +102,8 @@ class Classification:
     kind: FaultClass
     reason: str
     source: str
-    """``config``, ``plugin <name>``, ``builtin`` or ``exit`` (the exit status alone)."""
+    """``config``, ``plugin <name>``, ``builtin``, ``exit`` (the exit status alone) or
+    ``start`` (the workers never started)."""
     line: str = ""
 
     def describe(self) -> str:

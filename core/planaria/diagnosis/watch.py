@@ -35,7 +35,12 @@ class NodeWatch:
             wall, busy = self.times.medians(rank)
             out.append(
                 RankProgress(
-                    local_rank=rank, step=slot.step, time=slot.time, step_s=wall, busy_s=busy
+                    local_rank=rank,
+                    step=slot.step,
+                    time=slot.time,
+                    step_s=wall,
+                    busy_s=busy,
+                    first_step=slot.first,
                 )
             )
         return out

@@ -3,7 +3,7 @@
 Each finding becomes a timeline event and, where it calls for one, an action through the
 master's own policy: restart in place (a transient fault, a hang), replace the node and exclude
 its host (a node fault, a failed health check, a straggler when ``replace_stragglers``), or stop
-(a user error when ``on_user_error: stop``).
+(a user error when ``on_user_error: stop``, and always workers that cannot start).
 """
 
 from __future__ import annotations
@@ -17,13 +17,24 @@ from planaria.diagnosis.policy import DiagnosisPolicy
 from planaria.diagnosis.stragglers import RankTimes, Straggler, StragglerDetector
 from planaria.events import EventKind
 from planaria.log import get_logger
-from planaria.master.timeline import Fault
+from planaria.master.timeline import Fault, Summary
 from planaria.protocol import Heartbeat, WorkerFailure
 
 if TYPE_CHECKING:
     from planaria.master.job import Master, Node
 
 log = get_logger("master.diagnosis")
+
+START = "start"
+"""The ``source`` of a verdict on workers that never started (:attr:`WorkerFailure.start_error`):
+the program, its environment or the node's size is wrong, which no restart cures."""
+CANNOT_START = "stop: the workers cannot start, and a restart would fail the same way"
+
+
+def stopped_on_start(summary: Summary) -> bool:
+    """Whether the job stopped because its workers cannot start: a mistake in what it asks,
+    like a bad config (``planaria run`` exits 2 for both)."""
+    return any(fault.action == CANNOT_START for fault in summary.faults)
 
 
 class Diagnosis:
@@ -38,6 +49,8 @@ class Diagnosis:
     # -- worker faults ----------------------------------------------------------------------
 
     def classify(self, failure: WorkerFailure) -> Classification:
+        if failure.start_error is not None:
+            return Classification(FaultClass.USER, "the workers cannot start", START, "")
         return self.policy.classifier.classify(failure.exitcode, failure.signal, failure.log_tail)
 
     def event_fields(self, failure: WorkerFailure) -> dict[str, object]:
@@ -62,6 +75,10 @@ class Diagnosis:
         if verdict.kind is FaultClass.NODE:
             fault.action = f"replace the node, exclude host {node.host}"
             self.master._lose_node(node, fault, exclude_host=True)
+        elif verdict.source == START:
+            fault.action = CANNOT_START
+            self.master.faults.append(fault)
+            self.master._finish(JobState.FAILED, f"user error: {fault.detail}")
         elif verdict.kind is FaultClass.USER and self.policy.on_user_error == "stop":
             fault.action = "stop (diagnosis.on_user_error: stop)"
             self.master.faults.append(fault)

@@ -18,8 +18,10 @@ from typing import Any
 
 from planaria.diagnosis.messages import HangReport, HealthReport
 from planaria.diagnosis.policy import DiagnosisPolicy
+from planaria.errors import SchedulerError
 from planaria.events import EventKind, JobEvent
 from planaria.log import get_logger
+from planaria.master.checkpoints import JobCheckpoints
 from planaria.master.diagnosis import Diagnosis
 from planaria.master.preflight import Preflight
 from planaria.master.restore import agree
@@ -49,6 +51,16 @@ TICK = 0.05
 
 class BadReport(ValueError):
     """A request that is well-formed but makes no sense for the job."""
+
+
+class RegistrationRefused(PermissionError):
+    """A registration the master will not accept: a node id it never launched, or a second
+    agent claiming a node that is already registered. ``retry``: the id may still come (a
+    launch is in flight), so the agent should ask again shortly."""
+
+    def __init__(self, message: str, *, retry: bool = False) -> None:
+        super().__init__(message)
+        self.retry = retry
 
 
 class JobState(str, Enum):
@@ -87,7 +99,10 @@ class Node:
     host: str
     phase: NodePhase = NodePhase.LAUNCHED
     addr: str = ""
-    last_seen: float = field(default_factory=time.time)
+    last_seen: float = field(default_factory=time.monotonic)
+    """When the master last heard from the node, on the monotonic clock (a wall-clock step
+    must not make every node look silent)."""
+    pid: int | None = None
     action: Action | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     step: int = -1
@@ -142,10 +157,11 @@ class Master:
         self.restore = "storage"
         """Where this round's workers restore from: ``memory:<step>`` or ``storage``."""
         self.persist_step: int | None = None
-        self.committed_step = -1
-        self.checkpoints_committed = 0
+        self.checkpoints = JobCheckpoints(self.spec.checkpoint, self.timeline)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scheduler")
         self._tasks: set[asyncio.Task[None]] = set()
+        self._launching = 0
+        """Scheduler calls in flight that may start agents (launch, replace)."""
         self.diagnosis = Diagnosis(self, settings.diagnosis)
         self.preflight = Preflight(self, settings.diagnosis.preflight)
 
@@ -156,9 +172,19 @@ class Master:
         return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
 
     async def launch(self, spec: LaunchSpec) -> None:
-        handles = await self._call(self.scheduler.launch, spec, self.settings.max_nodes)
+        self._launching += 1
+        try:
+            handles = await self._call(self.scheduler.launch, spec, self.settings.max_nodes)
+        except SchedulerError:
+            if not self.state.terminal:
+                raise
+            handles = []  # stopped while launching: the scheduler released what it started
+        finally:
+            self._launching -= 1
         for handle in handles:
             self.nodes[handle.node_id] = Node(handle.node_id, handle.host)
+        if self.state.terminal:  # stopped meanwhile (a signal): the job must not start again
+            return
         if self.preflight.finished:
             self._open_round()
         else:  # the first round opens once the pre-flight check is done
@@ -185,14 +211,49 @@ class Master:
     # -- handlers (called by the HTTP server) ----------------------------------------------
 
     def register(self, request: RegisterRequest) -> JobSpec:
+        """Accept an agent for a node this job launched, once. The token alone does not make
+        a node: an id the scheduler never reported is refused (while a launch is in flight,
+        with "ask again": its agent may be faster than the scheduler's answer), and so is a
+        second agent for a registered node. Every refusal is in the timeline."""
         node = self.nodes.get(request.node_id)
-        if node is None:  # an agent the scheduler did not report, e.g. started by hand
-            node = self.nodes[request.node_id] = Node(request.node_id, request.host)
+        if node is None:
+            if self._launching or self.replacing():
+                raise RegistrationRefused(
+                    f"node {request.node_id!r} is not known yet; ask again", retry=True
+                )
+            self._refuse(request, "this job never launched a node of that id")
+        elif node.phase.gone:
+            self._refuse(request, f"the node is {node.phase.value}: it is out of the job")
+        elif node.phase is not NodePhase.LAUNCHED:
+            if (node.pid, node.host, node.addr) == (request.pid, request.host, request.addr):
+                node.last_seen = time.monotonic()  # the same agent asking again: its reply
+                return self.spec  # was lost on the way
+            self._refuse(
+                request,
+                f"the node is registered already (agent pid {node.pid} on {node.host})",
+            )
+        assert node is not None
         node.addr = request.addr
+        node.pid = request.pid
         node.phase = NodePhase.REGISTERED
-        node.last_seen = time.time()
+        node.last_seen = time.monotonic()
         log.info("node registered", node=request.node_id, host=request.host, pid=request.pid)
         return self.spec
+
+    def _refuse(self, request: RegisterRequest, why: str) -> None:
+        message = (
+            f"registration of node {request.node_id!r} (host {request.host}, pid {request.pid}) "
+            f"refused: {why}"
+        )
+        log.warning("registration refused", node=request.node_id, why=why)
+        self.timeline.emit(
+            EventKind.REGISTRATION_REFUSED,
+            message,
+            node=request.node_id,
+            host=request.host,
+            pid=request.pid,
+        )
+        raise RegistrationRefused(message)
 
     async def join(self, request: JoinRequest, wait: float = 5.0) -> JoinReply:
         node = self._touch(request.node_id)
@@ -262,7 +323,9 @@ class Master:
             if current:
                 node.phase = NodePhase.SUCCEEDED
                 if all(self.nodes[n].phase is NodePhase.SUCCEEDED for n in self.rounds.world):
-                    self._finish(JobState.SUCCEEDED, "the training command succeeded on every node")
+                    last = max((n.step for n in self.nodes.values()), default=-1)
+                    ok, why = self.checkpoints.end(last)
+                    self._finish(JobState.SUCCEEDED if ok else JobState.FAILED, why)
             return
         if report.failure is None:
             raise BadReport("a report of failed workers must name the failure")
@@ -352,7 +415,7 @@ class Master:
         node = self.nodes.get(node_id)
         if node is None:
             raise KeyError(node_id)
-        node.last_seen = time.time()
+        node.last_seen = time.monotonic()
         return node
 
     def _first_step(self, node: Node, beat: Heartbeat) -> None:
@@ -361,7 +424,12 @@ class Master:
             return
         if self.first_step_at is None:
             self.first_step_at = beat.first_step_time
-        first = min((p.step for p in beat.progress if p.step >= 0), default=None)
+        # The workers' own record of their first step: the board's current step may be
+        # several steps on by the time the agent looked.
+        first = min(
+            (p.first_step if p.first_step >= 0 else p.step for p in beat.progress if p.step >= 0),
+            default=None,
+        )
         for fault in self.faults:
             if fault.restart_round == beat.round and fault.recovered_at is None:
                 fault.recovered_at = beat.first_step_time
@@ -425,14 +493,16 @@ class Master:
         node.phase = NodePhase.LOST
         self.rounds.leave(node.node_id)
         node.send(Action(kind="exit", reason=fault.detail))
-        work = self._replace(node, exclude_host) if replace else self._release(node, fault)
-        task = asyncio.get_running_loop().create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
         if in_world and self.state is JobState.RUNNING:
             self._restart(fault)
         else:
             self.faults.append(fault)
+        if self.state.terminal:
+            return  # the job is over (this loss may have spent its budget): stop() frees all
+        work = self._replace(node, exclude_host) if replace else self._release(node, fault)
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _replace(self, node: Node, exclude_host: bool = False) -> None:
         try:
@@ -440,6 +510,8 @@ class Master:
                 self.scheduler.replace, node.node_id, exclude_host=exclude_host
             )
         except Exception as exc:
+            if self.state.terminal:
+                return  # the job ended meanwhile and interrupted the scheduler: no news
             log.warning("node replacement failed", node=node.node_id, error=str(exc))
             self.timeline.emit(
                 EventKind.NODE_REPLACED,
@@ -540,7 +612,7 @@ class Master:
             and checkpoint is not None
             and checkpoint.persist_on_fault
             and self.restarts > 0
-            and step > self.committed_step
+            and step > self.checkpoints.committed_step
         ):
             self.persist_step = step
         where = "storage" if step is None else f"memory (step {step})"
@@ -552,28 +624,9 @@ class Master:
 
     def checkpoint_event(self, report: CheckpointEvent) -> None:
         node = self._touch(report.node_id)
-        if report.event == "checkpoint_committed":
-            self.committed_step = max(self.committed_step, report.step)
-            self.checkpoints_committed += 1
-            size = f"{(report.bytes or 0) / 2**20:.1f} MiB"
-            self.timeline.emit(
-                EventKind.CHECKPOINT_COMMITTED,
-                f"checkpoint step {report.step} committed ({size}, {report.seconds or 0:.2f}s)",
-                node=node.node_id,
-                step=report.step,
-                bytes=report.bytes,
-                seconds=report.seconds,
-            )
-        elif report.event == "persist_failed":
-            self.timeline.emit(
-                EventKind.CHECKPOINT_FAILED,
-                f"persisting step {report.step} failed on {node.node_id}"
-                f"{'' if report.rank is None else f' (rank {report.rank})'}: {report.error}",
-                node=node.node_id,
-                step=report.step,
-                rank=report.rank,
-                error=report.error,
-            )
+        stop = self.checkpoints.event(node.node_id, report)
+        if stop is not None:
+            self._finish(JobState.FAILED, stop)
 
     def _maybe_grow(self) -> None:
         """Nodes standing by can enlarge a world below ``max``: re-form it with them (a
@@ -603,6 +656,7 @@ class Master:
         self.state = state
         self.reason = reason
         self.finished_at = time.time()
+        self.scheduler.interrupt()  # a launch in flight (on the scheduler's thread) stops
         self._round_settled.set()
         for node in self.nodes.values():
             node.send(Action(kind="exit", reason=reason))
@@ -618,16 +672,19 @@ class Master:
         """Launch the nodes (``launch`` is what each runs: the agent) and see the job through."""
         await self.launch(launch)
         exit_deadline: float | None = None
+        ticked = time.monotonic()
         while True:
             await asyncio.sleep(TICK)
             now = time.time()
             for event in await self._call(self.scheduler.poll, 0.0):
                 self._on_node_event(event)
+            seen, ticked = ticked, time.monotonic()
+            self._renew_after_stall(ticked - seen)
             if not self.state.terminal:
                 for node in list(self.nodes.values()):
                     # A node still pending is the scheduler's business; the rendezvous
                     # timeout covers one that never comes.
-                    late = now - node.last_seen > self.spec.heartbeat_timeout
+                    late = ticked - node.last_seen > self.spec.heartbeat_timeout
                     late = late and not self.preflight.busy(node.node_id)
                     if late and node.phase is not NodePhase.LAUNCHED and not node.phase.gone:
                         self._node_lost(node, f"no heartbeat for {self.spec.heartbeat_timeout:g}s")
@@ -643,9 +700,36 @@ class Master:
             )
             if settled or now > exit_deadline:
                 break
+        # Replacements asked before the end come back first: nothing of the job's may write to
+        # its timeline once this returns (the caller closes it).
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._call(self.scheduler.stop, None)
         self._executor.shutdown(wait=True)
         return self.summary()
+
+    def stall_threshold(self) -> float:
+        """A gap between two ticks beyond which the master counts itself as having stalled."""
+        return max(0.5, min(self.spec.heartbeat_interval, self.spec.heartbeat_timeout / 4))
+
+    def _renew_after_stall(self, gap: float) -> None:
+        """After the master itself stalled (stopped, swapped out, starved of CPU), the silence
+        it saw is its own: heartbeats queued on its sockets have not been read yet. Like a
+        lease holder after a pause, it does not count its blind time against any node: every
+        heartbeat window is moved on by the stall (a node that was heard just before a long
+        stall gets a fresh window). Silence outside stalls still adds up, so a master that
+        keeps stalling still finds a node that went quiet, only later."""
+        if gap <= self.stall_threshold():
+            return
+        now = time.monotonic()
+        for node in self.nodes.values():
+            node.last_seen = min(now, node.last_seen + gap)
+        log.warning("master stalled; heartbeat windows renewed", seconds=round(gap, 3))
+        if gap > self.spec.heartbeat_interval * 2:
+            self.timeline.emit(
+                EventKind.MASTER_STALLED,
+                f"the master stalled for {gap:.1f}s; every node's heartbeat window renewed",
+                seconds=round(gap, 3),
+            )
 
     def summary(self) -> Summary:
         end = self.finished_at or time.time()
@@ -661,8 +745,14 @@ class Master:
             downtime_s=downtime,
             restarts=self.restarts,
             faults=list(self.faults),
-            checkpoints=self.checkpoints_committed,
-            last_checkpoint=self.committed_step if self.committed_step >= 0 else None,
+            checkpoints=self.checkpoints.committed,
+            last_checkpoint=(
+                self.checkpoints.committed_step if self.checkpoints.committed_step >= 0 else None
+            ),
+            unpersisted=self.checkpoints.unpersisted(steps - 1),
+            skipped_checkpoints=[f"step {s}: {why}" for s, why in self.checkpoints.skipped.items()],
+            started_from_scratch=self.checkpoints.scratch,
+            persister_restarts=self.checkpoints.persister_restarts,
             stragglers=list(self.diagnosis.stragglers),
             preflight=self.preflight.report if self.settings.diagnosis.preflight.enabled else None,
         )

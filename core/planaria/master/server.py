@@ -1,20 +1,25 @@
 """The master's HTTP/JSON API (aiohttp). Every request needs the job's token.
 
 Bad requests get 400 with what is wrong and where; an unknown node 404; a missing or wrong
-token 401, and nothing changes.
+token 401, and nothing changes. A client that sends its request too slowly (a half-sent header or
+body) is cut off, and one address cannot hold more than a bounded number of connections.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from planaria.diagnosis.messages import HangReport, HealthReport, PreflightPoll, PreflightResult
-from planaria.master.job import BadReport, Master
+from planaria.log import get_logger
+from planaria.master.job import BadReport, Master, RegistrationRefused
 from planaria.protocol import (
     API_PREFIX,
     Ack,
@@ -30,6 +35,110 @@ from planaria.protocol import (
 
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+log = get_logger("master")
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    request_timeout: float = 10.0
+    """From a connection's first byte (or its opening) to a complete request header, and from
+    the header to the end of the body."""
+    per_client: int = 1024
+    """Connections one client address may hold at once."""
+
+
+class _Connections:
+    """The guard's book: connections per client address, and which guard owns a transport."""
+
+    def __init__(self, limits: ServerLimits) -> None:
+        self.limits = limits
+        self.per_client: Counter[str] = Counter()
+        self.guards: dict[asyncio.BaseTransport, _Guard] = {}
+        self.refused = 0
+
+
+class _Guard(asyncio.Protocol):
+    """Wraps one aiohttp connection protocol: a request header must be complete within the
+    time limit from the connection's opening or the first byte of the request (aiohttp itself
+    waits forever for a header that never ends), and a client address over its connection
+    limit is cut off at once."""
+
+    def __init__(self, inner: asyncio.Protocol, book: _Connections) -> None:
+        self.inner = inner
+        self.book = book
+        self.transport: asyncio.Transport | None = None
+        self.client = ""
+        self.in_handler = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        peer = transport.get_extra_info("peername")
+        self.client = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        if self.book.per_client[self.client] >= self.book.limits.per_client:
+            self.book.refused += 1
+            if self.book.refused == 1 or self.book.refused % 1000 == 0:
+                log.warning(
+                    "connection refused: too many from one client",
+                    client=self.client,
+                    limit=self.book.limits.per_client,
+                    refused=self.book.refused,
+                )
+            transport.abort()
+            return
+        self.transport = transport
+        self.book.per_client[self.client] += 1
+        self.book.guards[transport] = self
+        self._arm()
+        self.inner.connection_made(transport)
+
+    def _arm(self) -> None:
+        if self._timer is None and not self.in_handler:
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(self.book.limits.request_timeout, self._expire)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self) -> None:
+        self._timer = None
+        if self.transport is not None and not self.in_handler:
+            self.transport.close()
+
+    def handler_entered(self) -> None:
+        self.in_handler = True
+        self._disarm()
+
+    def handler_left(self) -> None:
+        self.in_handler = False
+
+    def data_received(self, data: bytes) -> None:
+        if self.transport is None:
+            return
+        self._arm()  # a new request starts: its header is due within the limit
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received() if self.transport is not None else None
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.transport is None:
+            return
+        self._disarm()
+        self.book.guards.pop(self.transport, None)
+        self.book.per_client[self.client] -= 1
+        if self.book.per_client[self.client] <= 0:
+            del self.book.per_client[self.client]
+        self.inner.connection_lost(exc)
 
 
 def _json(model: BaseModel, status: int = 200) -> web.Response:
@@ -48,8 +157,15 @@ class BadRequest(Exception):
 
 
 async def _body(request: web.Request, model: type[M]) -> M:
+    limit: float = request.app[LIMITS].request_timeout
     try:
-        return model.model_validate_json(await request.read())
+        raw = await asyncio.wait_for(request.read(), timeout=limit)
+    except asyncio.TimeoutError:
+        raise BadRequest(
+            _error(408, f"the request body did not arrive within {limit:g}s")
+        ) from None
+    try:
+        return model.model_validate_json(raw)
     except ValidationError as exc:
         problems = [
             f"{'.'.join(map(str, e['loc'])) or '<body>'}: {e['msg']}"
@@ -58,12 +174,33 @@ async def _body(request: web.Request, model: type[M]) -> M:
         raise BadRequest(_error(400, f"invalid {model.__name__}", problems=problems)) from None
 
 
-def make_app(master: Master, token: str, hold: float) -> web.Application:
+LIMITS: web.AppKey[ServerLimits] = web.AppKey("limits", ServerLimits)
+BOOK: web.AppKey[_Connections] = web.AppKey("connections", _Connections)
+
+
+def make_app(
+    master: Master, token: str, hold: float, limits: ServerLimits | None = None
+) -> web.Application:
     expected = f"Bearer {token}".encode()
 
     @web.middleware
+    async def timed(request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Tell the connection's guard that its header is in: from here the body's own time
+        limit applies, and a long poll may hold the request."""
+        guard = request.app[BOOK].guards.get(request.transport)  # type: ignore[arg-type]
+        if guard is not None:
+            guard.handler_entered()
+        try:
+            return await handler(request)
+        finally:
+            if guard is not None:
+                guard.handler_left()
+
+    @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        given = request.headers.get("Authorization", "").encode()
+        # aiohttp decodes header bytes that are not UTF-8 as surrogates: take the bytes back
+        # as they came, so that any header is a plain mismatch (401), never an error.
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(given, expected):
             return _error(401, "missing or wrong token (Authorization: Bearer <job token>)")
         try:
@@ -74,6 +211,10 @@ def make_app(master: Master, token: str, hold: float) -> web.Application:
             return _error(404, f"unknown node {exc.args[0]!r}: register first")
         except BadReport as exc:
             return _error(400, str(exc))
+        except RegistrationRefused as exc:
+            if exc.retry:
+                return _error(503, str(exc), retry=True)
+            return _error(403, str(exc))
 
     async def register(request: web.Request) -> web.StreamResponse:
         body = await _body(request, RegisterRequest)
@@ -117,7 +258,9 @@ def make_app(master: Master, token: str, hold: float) -> web.Application:
     async def status(request: web.Request) -> web.StreamResponse:
         return _json(master.status())
 
-    app = web.Application(middlewares=[guard], client_max_size=1 << 20)
+    app = web.Application(middlewares=[timed, guard], client_max_size=1 << 20)
+    app[LIMITS] = limits or ServerLimits()
+    app[BOOK] = _Connections(app[LIMITS])
     app.add_routes(
         [
             web.post(f"{API_PREFIX}/register", register),
@@ -136,13 +279,42 @@ def make_app(master: Master, token: str, hold: float) -> web.Application:
     return app
 
 
+class _GuardedSite(web.BaseSite):
+    """A TCP site whose connections go through :class:`_Guard`."""
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int, book: _Connections) -> None:
+        super().__init__(runner, backlog=4096)
+        self._host, self._port, self._book = host, port, book
+        self.bound_port = port
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self.bound_port}"
+
+    async def start(self) -> None:
+        await super().start()
+        factory = self._runner.server
+        assert factory is not None
+        book = self._book
+
+        def protocol() -> asyncio.Protocol:
+            return _Guard(factory(), book)
+
+        loop = asyncio.get_running_loop()
+        self._server = server = await loop.create_server(
+            protocol, self._host, self._port, backlog=self._backlog, reuse_address=True
+        )
+        self.bound_port = int(server.sockets[0].getsockname()[1])
+
+
 async def serve(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Start serving; returns the runner (``await runner.cleanup()`` to stop) and the port."""
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=4096)
-    await site.start()
-    server = site._server
-    assert server is not None
-    sockets = getattr(server, "sockets", None) or []
-    return runner, int(sockets[0].getsockname()[1])
+    site = _GuardedSite(runner, host, port, app[BOOK])
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, site.bound_port

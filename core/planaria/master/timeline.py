@@ -61,6 +61,13 @@ class Summary:
     checkpoints: int = 0
     """Flash checkpoints committed to storage."""
     last_checkpoint: int | None = None
+    unpersisted: str = ""
+    """Set when the last step asked to persist was not: "last persisted step N of M (...)"."""
+    skipped_checkpoints: list[str] = field(default_factory=list)
+    """Committed steps a restore skipped as corrupt, each with why."""
+    started_from_scratch: str = ""
+    """Why training started from scratch although committed steps exist."""
+    persister_restarts: int = 0
     stragglers: list[Straggler] = field(default_factory=list)
     preflight: PreflightReport | None = None
     """The pre-flight node check, when the job ran one."""
@@ -82,7 +89,7 @@ class Timeline:
         self.job = job
         self.observer = observer
         self.events: list[JobEvent] = []
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         self._file = os.fdopen(fd, "a", buffering=1, encoding="utf-8")
 
     def emit(self, kind: EventKind, message: str, **fields: object) -> JobEvent:

@@ -35,7 +35,8 @@ class MasterRendezvousOptions(BaseModel):
 
 
 class MasterRendezvous(RendezvousHandler[MasterRendezvousOptions]):
-    """Joins rounds through the master API (``PLANARIA_MASTER``, ``PLANARIA_TOKEN``)."""
+    """Joins rounds through the master API: at ``url`` with ``token``, by default those of
+    ``PLANARIA_MASTER`` and ``PLANARIA_TOKEN``."""
 
     def __init__(
         self,
@@ -44,10 +45,12 @@ class MasterRendezvous(RendezvousHandler[MasterRendezvousOptions]):
         min_nodes: int,
         max_nodes: int,
         node_unit: int = 1,
+        url: str | None = None,
+        token: str | None = None,
     ) -> None:
         super().__init__(options, min_nodes=min_nodes, max_nodes=max_nodes, node_unit=node_unit)
-        self._url = os.environ.get(MASTER_ENV, "")
-        self._token = os.environ.get(TOKEN_ENV, "")
+        self._url = os.environ.get(MASTER_ENV, "") if url is None else url
+        self._token = os.environ.get(TOKEN_ENV, "") if token is None else token
         self._closed = False
         self.restart_count = 0
         self.addr = ""

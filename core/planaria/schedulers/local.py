@@ -14,7 +14,13 @@ process that started them, even when it is killed with SIGKILL. Linux sends that
 :meth:`LocalScheduler.replace` (the methods that start processes) from one long-lived thread,
 as the master does with its single-thread scheduler executor; a call from another thread raises
 :class:`~planaria.errors.SchedulerError` instead of leaving nodes tied to a short-lived thread.
-None of the methods is thread-safe.
+None of the methods is thread-safe, but :meth:`~planaria.scheduler.Scheduler.interrupt`: a launch
+stops between two nodes when it is called.
+
+Size: every node and every worker is a process of this machine, so a job must fit it. It may
+have at most ``max_nodes`` nodes (by default 4 per CPU), and as many workers as
+:mod:`planaria.capacity` allows for this machine's CPUs and process table; this is checked when
+the config loads, and the node count again at every launch. A fork storm is refused, not begun.
 
 The death signal is set by a tiny trampoline (``python -I -S -c ...``) that calls ``prctl`` and
 then ``exec``s the command, so the pid the scheduler watches is the agent's own. A
@@ -41,13 +47,14 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planaria.checkpoint.segment import remove_segments
+from planaria.capacity import process_headroom, shortfall, usable_cpus
 from planaria.durations import Duration
-from planaria.errors import SchedulerError
+from planaria.errors import ConfigIssue, SchedulerError
 from planaria.log import get_logger
 from planaria.plugin import hookimpl
 from planaria.plugin.records import SchedulerRecord
 from planaria.scheduler import LaunchSpec, NodeEvent, NodeHandle, NodeState, Scheduler
+from planaria.shm import node_dir, remove_dir
 
 log = get_logger("scheduler.local")
 
@@ -79,6 +86,12 @@ except OSError as error:
 """
 
 
+NODES_PER_CPU = 4
+MIN_MAX_NODES = 8
+# Besides its workers, a node runs its agent, the warm interpreter and the persister.
+PROCESSES_PER_NODE = 3
+
+
 class LocalOptions(BaseModel):
     """Options of the ``local`` scheduler."""
 
@@ -100,6 +113,16 @@ class LocalOptions(BaseModel):
         description="nodes this machine runs at once; more wait as pending, like a cluster "
         "with no free node (0: no limit)",
     )
+    max_nodes: int | None = Field(
+        default=None,
+        ge=1,
+        description=f"the most nodes a job may have at once on this machine, pending ones "
+        f"included (default: {NODES_PER_CPU} per CPU, at least {MIN_MAX_NODES})",
+    )
+
+    @property
+    def node_limit(self) -> int:
+        return self.max_nodes or max(MIN_MAX_NODES, NODES_PER_CPU * usable_cpus())
 
 
 @dataclass(eq=False)
@@ -195,7 +218,7 @@ def _exit_event(node_id: str, returncode: int) -> NodeEvent:
 def _open_log(log_dir: Path, node_id: str) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     path = log_dir / f"{node_id}.log"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
         os.fchmod(fd, 0o600)  # also when the file existed, or the umask was unusual
     except OSError:
@@ -208,6 +231,35 @@ class LocalScheduler(Scheduler[LocalOptions]):
     """Nodes are agent processes on this machine (see the module docstring)."""
 
     name = "local"
+    nodes_here = True
+
+    @classmethod
+    def capacity_issues(
+        cls, options: LocalOptions, *, nodes: int, procs_per_node: int
+    ) -> list[ConfigIssue]:
+        """Every node and every worker is a process of this machine: the job must fit it."""
+        limit = options.node_limit
+        if nodes > limit:
+            default = "" if options.max_nodes else f" (by default {NODES_PER_CPU} per CPU)"
+            return [
+                ConfigIssue(
+                    "job.nodes",
+                    f"{nodes} nodes are more than the local scheduler runs on this machine: at "
+                    f"most {limit}, its option max_nodes{default}; ask for fewer nodes, or set "
+                    "scheduler.options.max_nodes if this machine can take them",
+                )
+            ]
+        workers = nodes * procs_per_node
+        why = shortfall(workers, nodes * (procs_per_node + PROCESSES_PER_NODE))
+        if why is None:
+            return []
+        return [
+            ConfigIssue(
+                "job.procs_per_node" if procs_per_node > 1 else "job.nodes",
+                f"{nodes} node(s) x {procs_per_node} worker(s) all run on this machine, and {why}; "
+                "ask for fewer nodes or workers per node",
+            )
+        ]
 
     def __init__(self, options: LocalOptions) -> None:
         super().__init__(options)
@@ -225,7 +277,8 @@ class LocalScheduler(Scheduler[LocalOptions]):
     def launch(self, spec: LaunchSpec, count: int) -> list[NodeHandle]:
         """Start ``count`` nodes. Each is reported ``running`` by the next :meth:`poll`.
 
-        All or nothing: when one cannot be started, those started by this call are stopped.
+        All or nothing: when one cannot be started, or :meth:`interrupt` is called meanwhile,
+        those started by this call are stopped.
         """
         if count < 0:
             raise SchedulerError(f"cannot launch {count} nodes: the count must be 0 or more")
@@ -233,12 +286,15 @@ class LocalScheduler(Scheduler[LocalOptions]):
         self._check_command(spec)
         if count == 0:
             return []
+        self._check_interrupted("cannot launch nodes")
+        self._check_room(count)
         self._check_placeable(self._excluded, "cannot launch nodes")
         started: list[_Node] = []
         handles: list[NodeHandle] = []
         first = self._next_number
         try:
-            for _ in range(count):
+            for done in range(count):
+                self._check_interrupted(f"launching stopped after {done} of {count} nodes")
                 node_id = self._new_id()
                 if self._has_slot():
                     node = self._start(spec, self._choose_host(self._excluded, node_id), node_id)
@@ -275,8 +331,9 @@ class LocalScheduler(Scheduler[LocalOptions]):
         """Stop ``node_id`` (gracefully, within ``stop_grace``) if it still runs and start a
         node with a new id and the same spec. With ``exclude_host`` the old node's host is
         excluded from now on. Raises :class:`SchedulerError`, changing nothing, when no host is
-        left to place the new node on."""
+        left to place the new node on, or after :meth:`interrupt`."""
         self._check_thread()
+        self._check_interrupted(f"cannot replace {node_id}")
         if node_id in self._queue:  # never started: the new node simply takes its place
             spec, _ = self._queue.pop(node_id)
             new_id = self._new_id()
@@ -315,8 +372,9 @@ class LocalScheduler(Scheduler[LocalOptions]):
         if node_ids is None:
             # These nodes share this machine's /dev/shm: whatever an agent killed without a
             # chance to clean up (and its persister) left there goes with the job.
-            for run_id in {node.spec.run_id for node in targets if node.spec.run_id}:
-                remove_segments(f"/dev/shm/planaria-{run_id}-")
+            for node in targets:
+                if node.spec.run_id:
+                    remove_dir(node_dir(node.spec.run_id, node.node_id))
 
     def excluded_hosts(self) -> set[str]:
         return set(self._excluded)
@@ -375,6 +433,26 @@ class LocalScheduler(Scheduler[LocalOptions]):
                 + ("" if os.sep in spec.command[0] else " found on PATH")
             )
 
+    def _check_interrupted(self, what: str) -> None:
+        if self.interrupted:
+            raise SchedulerError(f"{what}: the job is stopping (the scheduler was interrupted)")
+
+    def _check_room(self, count: int) -> None:
+        """The job's size was checked when its config loaded; this holds for every caller."""
+        limit = self.options.node_limit
+        have = len(self._queue) + sum(1 for n in self._nodes.values() if not n.released)
+        if have + count > limit:
+            raise SchedulerError(
+                f"cannot launch {count} more node(s) beside {have}: the local scheduler runs "
+                f"at most {limit} on this machine (its option max_nodes)"
+            )
+        headroom = process_headroom()
+        if headroom is not None and count * PROCESSES_PER_NODE > headroom[0]:
+            raise SchedulerError(
+                f"cannot launch {count} node(s): this machine's process table has room for "
+                f"{headroom[0]} more processes ({headroom[1]})"
+            )
+
     def _new_id(self) -> str:
         node_id = f"node-{self._next_number}"
         self._next_number += 1
@@ -385,7 +463,7 @@ class LocalScheduler(Scheduler[LocalOptions]):
         return self.options.slots == 0 or running < self.options.slots
 
     def _start_queued(self) -> None:
-        while self._queue and self._has_slot():
+        while self._queue and self._has_slot() and not self.interrupted:
             node_id, (spec, avoid) = next(iter(self._queue.items()))
             del self._queue[node_id]
             self._check_thread()

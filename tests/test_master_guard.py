@@ -1,0 +1,161 @@
+"""What the master's API refuses: raw bytes in headers, slow or half-sent requests, a client
+holding too many connections, and registrations of nodes the job never launched."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import aiohttp
+import pytest
+from test_master_api import AUTH, TOKEN, with_master
+
+from planaria.master.server import ServerLimits
+from planaria.protocol import API_PREFIX
+
+
+def with_guarded_master(tmp_path: Path, body, limits: ServerLimits):
+    async def on_port(master, session, url):
+        await body(master, session, urlsplit(url).port)
+
+    return with_master(tmp_path, on_port, limits)
+
+
+def url(port: int, path: str) -> str:
+    return f"http://127.0.0.1:{port}{API_PREFIX}{path}"
+
+
+async def raw_exchange(port: int, data: bytes, wait: float = 5.0) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(65536), wait)
+    finally:
+        writer.close()
+
+
+async def closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
+    """Whether the server closed this connection within ``seconds`` (EOF or reset)."""
+    try:
+        return await asyncio.wait_for(reader.read(65536), seconds) == b""
+    except (asyncio.TimeoutError, ConnectionError):
+        return False
+
+
+def test_a_header_that_is_not_latin_1_is_a_401_not_a_500(tmp_path):
+    async def body(master, session, port):
+        for value in (b"Bearer \xff\xfe\x80", "Bearer тест".encode(), b"\xc3\x28"):
+            request = (
+                b"GET " + API_PREFIX.encode() + b"/status HTTP/1.1\r\nHost: x\r\n"
+                b"Authorization: " + value + b"\r\nConnection: close\r\n\r\n"
+            )
+            reply = await raw_exchange(port, request)
+            assert reply.startswith(b"HTTP/1.1 401"), reply[:200]
+            assert b"token" in reply
+        async with session.get(url(port, "/status"), headers=AUTH) as r:
+            assert r.status == 200
+
+    asyncio.run(with_guarded_master(tmp_path, body, ServerLimits()))
+
+
+def test_half_sent_requests_are_cut_off_and_others_are_still_served(tmp_path):
+    async def body(master, session, port):
+        limit = 1.0
+        started = time.monotonic()
+        held = []
+        # Silent after connecting; a header cut short; a header sent one byte at a time.
+        for first in (b"", b"POST " + API_PREFIX.encode() + b"/register HTTP/1.1\r\nHost: x"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(first)
+            held.append((reader, writer))
+        loris_reader, loris = await asyncio.open_connection("127.0.0.1", port)
+        # A body that never ends: the header promises more bytes than come.
+        header = (
+            f"POST {API_PREFIX}/register HTTP/1.1\r\nHost: x\r\n"
+            f"Authorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\n"
+            "Content-Length: 400\r\n\r\n{"
+        ).encode()
+        body_reader, body_writer = await asyncio.open_connection("127.0.0.1", port)
+        body_writer.write(header)
+
+        # Meanwhile a well-behaved client is answered at once.
+        async with session.get(url(port, "/status"), headers=AUTH) as r:
+            assert r.status == 200
+
+        for byte in b"GET /v1/status HTTP/1.1\r\n":  # slower than the limit allows in all
+            loris.write(bytes([byte]))
+            await asyncio.sleep(limit / 10)
+            if loris.is_closing() or loris_reader.at_eof():
+                break
+        for reader, _ in held:
+            assert await closed_within(reader, 3 * limit)
+        assert await closed_within(loris_reader, 3 * limit)
+        reply = await asyncio.wait_for(body_reader.read(65536), 3 * limit)
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        assert b"did not arrive within 1s" in reply
+        assert time.monotonic() - started < 10 * limit
+        for _, writer in [*held, (None, loris), (None, body_writer)]:
+            writer.close()
+        assert all(n.phase.value == "launched" for n in master.nodes.values())
+
+    asyncio.run(with_guarded_master(tmp_path, body, ServerLimits(request_timeout=1.0)))
+
+
+def test_one_client_cannot_hold_more_than_its_share_of_connections(tmp_path):
+    async def body(master, session, port):
+        cap = 20
+        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(cap)]
+        await asyncio.sleep(0.3)
+        over = [await asyncio.open_connection("127.0.0.1", port) for _ in range(10)]
+        for reader, _ in over:  # refused at once: closed (or reset) by the master
+            assert await closed_within(reader, 2)
+        with pytest.raises(aiohttp.ClientError):  # this client is over its share too
+            async with session.get(url(port, "/status"), headers=AUTH):
+                pass
+        for _, writer in [*held, *over]:
+            writer.close()
+        await asyncio.sleep(0.3)
+        async with session.get(url(port, "/status"), headers=AUTH) as r:
+            assert r.status == 200
+
+    asyncio.run(with_guarded_master(tmp_path, body, ServerLimits(per_client=20)))
+
+
+def test_only_launched_nodes_register_and_only_once(tmp_path):
+    async def body(master, session, port):
+        ghost = {"node_id": "node-77", "host": "evil", "addr": "127.0.0.1", "pid": 4242}
+        async with session.post(url(port, "/register"), json=ghost, headers=AUTH) as r:
+            assert r.status == 403
+            assert "never launched" in (await r.json())["error"]
+        assert "node-77" not in master.nodes
+
+        first = {"node_id": "node-0", "host": "local-0", "addr": "127.0.0.1", "pid": 100}
+        async with session.post(url(port, "/register"), json=first, headers=AUTH) as r:
+            assert r.status == 200
+        async with session.post(url(port, "/register"), json=first, headers=AUTH) as r:
+            assert r.status == 200  # the same agent asking again: its reply was lost
+        usurper = {**first, "pid": 101}
+        async with session.post(url(port, "/register"), json=usurper, headers=AUTH) as r:
+            assert r.status == 403
+            assert "registered already" in (await r.json())["error"]
+        assert master.nodes["node-0"].pid == 100
+
+        master._launching += 1  # a launch in flight: an unknown id may still be coming
+        try:
+            async with session.post(url(port, "/register"), json=ghost, headers=AUTH) as r:
+                assert r.status == 503
+                assert (await r.json())["retry"] is True
+        finally:
+            master._launching -= 1
+
+        events = [json.loads(line) for line in (tmp_path / "events.jsonl").open()]
+        refused = [e for e in events if e["kind"] == "registration_refused"]
+        assert [e["node"] for e in refused] == ["node-77", "node-0"]
+        assert refused[1]["data"]["pid"] == 101
+        assert not [f for f in master.faults if f.node == "node-77"]
+
+    asyncio.run(with_guarded_master(tmp_path, body, ServerLimits()))
