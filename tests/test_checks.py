@@ -7,6 +7,9 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+from pydantic import ValidationError
+
 from planaria.checks.host import HostCheck, HostOptions, available_memory_bytes
 from planaria.checks.runner import ConfiguredCheck, run_checks
 from planaria.errors import HealthCheckError
@@ -181,3 +184,11 @@ def test_a_verdict_after_the_timeout_never_replaces_the_timeout(tmp_path):
     assert [r.status for r in seen] == [Status.ERROR, Status.ERROR]
     # A check still being built when its time ran out is cancelled once it exists.
     assert SlowToBuild.cancelled.wait(2)
+
+
+def test_a_metric_must_be_a_number_not_a_boolean_or_a_string():
+    ok = DeviceResult(device="gpu0", status=Status.OK, metrics={"temp_c": 61, "util": 0.5})
+    assert ok.metrics == {"temp_c": 61, "util": 0.5}
+    for bad in (True, "61", None):
+        with pytest.raises(ValidationError, match=r"metrics\.x"):
+            DeviceResult(device="gpu0", status=Status.OK, metrics={"x": bad})

@@ -56,6 +56,19 @@ def test_check_defaults_to_host_and_exits_0(cli):
         assert device in result.stdout
 
 
+def test_check_json_on_a_config_error_is_a_json_error_object_and_exit_2(cli, tmp_path):
+    config = tmp_path / "job.yaml"
+    config.write_text("diagnosis:\n  checks:\n    - backend: host\n      options: {pathz: 1}\n")
+    result = cli("check", "-c", str(config), "--json")
+    assert result.returncode == 2, result.stderr
+    report = json.loads(result.stdout)
+    assert report["healthy"] is False and "invalid configuration" in report["error"]
+    (problem,) = report["problems"]
+    assert problem["path"] == "diagnosis.checks[0].options.pathz" and problem["line"] == 4
+    assert "unknown key 'pathz'" in problem["message"]
+    assert "invalid configuration" in result.stderr  # people still read stderr
+
+
 def test_check_json_and_exit_1_when_unhealthy(cli, tmp_path):
     config = tmp_path / "job.yaml"
     config.write_text(
@@ -115,7 +128,7 @@ def test_config_validate_show_and_schema(cli, tmp_path):
 
     schema = cli("config", "schema")
     assert schema.returncode == 0
-    assert "HostOptions" in json.loads(schema.stdout)["$defs"]
+    assert "planaria.checks.host.HostOptions" in json.loads(schema.stdout)["$defs"]
 
 
 def test_config_errors_exit_2_without_traceback(cli, tmp_path):

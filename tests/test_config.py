@@ -152,7 +152,12 @@ BAD = [
     ("diagnosis: {checks: [host, host]}", "diagnosis", "both named 'host'"),
     ("diagnosis: {preflight: maybe}", "diagnosis.preflight", "valid boolean"),
     ("diagnosis: {straggler_factor: 0.5}", "diagnosis.straggler_factor", "greater than 1"),
-    ("scheduler: {backend: slurm}", "scheduler.backend", "pip install planaria-slurm"),
+    ("scheduler: {backend: slurm}", "scheduler.backend", "not installed. Choose one of: local"),
+    (
+        "checkpoint: {storage: {backend: fsspec}}",
+        "checkpoint.storage.backend",
+        "pip install planaria-fsspec",
+    ),
     ("rendezvous: {join_grace: soon}", "rendezvous.join_grace", "invalid duration"),
     ("checkpoint: {keep_last: 0}", "checkpoint.keep_last", "greater than or equal to 1"),
     ("plugins: {disable: host}", "plugins.disable", "valid list"),
@@ -253,6 +258,39 @@ def test_schema_is_valid_and_follows_the_selected_backend():
     assert any("pathz" in e.message for e in validator.iter_errors(bad))
     backend = schema["$defs"]["CheckSection"]["properties"]["backend"]
     assert "host" in backend["examples"]
+
+
+def test_a_plugins_options_keep_their_schema_name_whatever_else_is_installed():
+    from pydantic import BaseModel, ConfigDict
+
+    import planaria
+    from planaria.checks.host import HostCheck
+    from planaria.plugin.records import HealthCheckRecord
+
+    class HostOptions(BaseModel):  # the same class name as the built-in host check's
+        model_config = ConfigDict(extra="forbid")
+        limit: int = 1
+
+    class Twin:
+        @planaria.hookimpl
+        def planaria_health_checks(self):
+            return [HealthCheckRecord(name="twin", factory=HostCheck, options=HostOptions)]
+
+    alone = config_schema(PluginManager.from_entry_points())
+    manager = PluginManager.from_entry_points()
+    manager.register(Twin(), "twin", distribution="planaria-twin", version="1.0")
+    both = config_schema(manager)
+    key = "planaria.checks.host.HostOptions"
+    assert alone["$defs"][key] == both["$defs"][key]
+    assert both["$defs"][key]["title"] == key
+    twin = [k for k in both["$defs"] if k.endswith("HostOptions") and k != key]
+    assert len(twin) == 1 and twin[0].startswith("test_config.")
+    jsonschema.Draft202012Validator.check_schema(both)
+    validator = jsonschema.Draft202012Validator(both)
+    bad = {"diagnosis": {"checks": [{"backend": "twin", "options": {"paths": []}}]}}
+    assert any("paths" in e.message for e in validator.iter_errors(bad))
+    good = {"diagnosis": {"checks": [{"backend": "host", "options": {"paths": ["/tmp"]}}]}}
+    assert not list(validator.iter_errors(good))
 
 
 @pytest.mark.parametrize(

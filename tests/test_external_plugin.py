@@ -152,7 +152,7 @@ def test_config_schema_includes_the_plugin_options(site: Path, workdir: Path) ->
     assert proc.returncode == 0, proc.stderr
     schema = json.loads(proc.stdout)
     assert "loadavg" in schema["$defs"]["CheckSection"]["properties"]["backend"]["examples"]
-    options = schema["$defs"]["LoadavgOptions"]
+    options = schema["$defs"]["planaria_example_loadavg.plugin.LoadavgOptions"]
     assert options["additionalProperties"] is False
     assert set(options["properties"]) == {"max_load_per_cpu", "degraded_load_per_cpu"}
 

@@ -204,24 +204,34 @@ def test_environment_holds_node_id_host_spec_env_and_ours(
         }
 
 
+def _plain_wait(timeout: float) -> float:
+    """How long a plain ``Event.wait(timeout)`` takes on this machine now: the baseline the
+    scheduler's own waits are held to (a loaded machine oversleeps both alike)."""
+    started = time.monotonic()
+    threading.Event().wait(timeout)
+    return time.monotonic() - started
+
+
 def test_poll_respects_its_timeout_and_wakes_on_an_exit(harness: Harness) -> None:
     scheduler = harness.scheduler()
+    baseline = _plain_wait(0.2)
     started = time.monotonic()
     assert scheduler.poll(0.2) == []  # nothing launched
-    assert 0.2 <= time.monotonic() - started < 0.3
+    assert 0.2 <= time.monotonic() - started < max(0.3, 2 * baseline)
 
     scheduler.launch(harness.spec(SLEEP), 1)
     drain_running(scheduler, 1)
     for timeout in (0.0, 0.25):
+        baseline = _plain_wait(timeout)
         started = time.monotonic()
         assert scheduler.poll(timeout) == []
-        assert timeout <= time.monotonic() - started < timeout + 0.1
+        assert timeout <= time.monotonic() - started < max(timeout + 0.1, 2 * baseline + 0.05)
 
     scheduler.launch(harness.spec("time.sleep(0.2)"), 1)
     assert [e.state for e in scheduler.poll(0.0)] == [NodeState.RUNNING]
     started = time.monotonic()
     assert scheduler.poll(10.0) == [NodeEvent(node_id="node-1", state=NodeState.SUCCEEDED)]
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 10.0 / 2  # woken by the exit, not by its timeout
 
 
 def test_what_an_agent_leaves_in_its_group_dies_with_it(harness: Harness) -> None:
@@ -267,14 +277,14 @@ def test_log_files_get_output_appended_with_mode_0600(harness: Harness) -> None:
 
 
 def test_replace_with_exclude_host_moves_to_a_new_host(harness: Harness) -> None:
-    scheduler = harness.scheduler(stop_grace="2s")
+    scheduler = harness.scheduler(stop_grace="10s")
     scheduler.launch(harness.spec(SLEEP), 2)
     drain_running(scheduler, 2)
     old = harness.pid("node-0")
 
     started = time.monotonic()
     new = scheduler.replace("node-0", exclude_host=True)
-    assert time.monotonic() - started < 1.0  # the agent obeys SIGTERM: no wait for the grace
+    assert time.monotonic() - started < 10 / 2  # the agent obeys SIGTERM: no wait for the grace
     assert (new.node_id, new.state) == ("node-2", NodeState.PENDING)
     assert new.host not in ("local-0", "local-1")
     assert scheduler.excluded_hosts() == {"local-0"}
@@ -337,7 +347,8 @@ def test_replace_of_a_node_that_already_ended(harness: Harness) -> None:
 
 
 def test_stop_kills_what_ignores_sigterm_after_the_grace(harness: Harness) -> None:
-    scheduler = harness.scheduler(stop_grace="300ms")
+    grace = 1.0
+    scheduler = harness.scheduler(stop_grace=f"{grace}s")
     spec = harness.spec(
         """
         import signal, subprocess
@@ -354,14 +365,14 @@ def test_stop_kills_what_ignores_sigterm_after_the_grace(harness: Harness) -> No
     started = time.monotonic()
     scheduler.stop()
     elapsed = time.monotonic() - started
-    assert 0.3 <= elapsed < 1.5  # one grace for all the nodes, not one each
+    assert grace <= elapsed < 2 * grace  # one grace for all the nodes, not one each
     assert not any(alive(pid) for pid in pids + helpers)
     assert scheduler.poll(0.0) == []  # stopped nodes are not reported
 
     started = time.monotonic()
     scheduler.stop()
     scheduler.stop(["node-0", "node-1", "node-0"])
-    assert time.monotonic() - started < 0.1
+    assert time.monotonic() - started < grace / 2  # nothing left to stop: no grace waited
     with pytest.raises(SchedulerError, match="unknown node 'node-7'"):
         scheduler.stop(["node-7"])
 
@@ -373,7 +384,7 @@ def test_stop_some_nodes_and_do_not_wait_for_the_grace_needlessly(harness: Harne
     pids = [harness.pid(f"node-{i}") for i in range(3)]
     started = time.monotonic()
     scheduler.stop(["node-1"])
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 10 / 2  # it obeyed SIGTERM: no wait for the grace
     assert [alive(pid) for pid in pids] == [True, False, True]
     os.kill(pids[0], signal.SIGTERM)
     assert scheduler.poll(2.0) == [

@@ -12,7 +12,7 @@ from enum import Enum
 from pathlib import Path
 from typing import ClassVar, Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
 
 class Status(str, Enum):
@@ -57,7 +57,8 @@ class DeviceResult(BaseModel):
     device: str = Field(min_length=1)
     status: Status
     detail: str = ""
-    metrics: dict[str, float] = Field(default_factory=dict)
+    metrics: dict[str, StrictInt | StrictFloat] = Field(default_factory=dict)
+    """Numbers only: a boolean or a numeric string is a mistake of the check, not a metric."""
 
 
 class CheckContext(BaseModel):

@@ -274,7 +274,7 @@ class _ZygoteClient:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         program = {"kind": p.kind, "target": p.target, "args": list(p.args)}
         config = {"parent": os.getpid(), "fd": theirs.fileno(), "preload": list(lau.preload)}
-        config.update(program=program, cwd=str(lau.cwd))
+        config.update(program=program, cwd=str(lau.cwd), title=" ".join(lau.command))
         zygote_file = str(Path(_zygote.__file__).resolve())
         argv = [sys.executable, *p.flags, "-c", _zygote.BOOTSTRAP, zygote_file, json.dumps(config)]
         self._sock = ours  # close() closes it if we fail or are cancelled before the end

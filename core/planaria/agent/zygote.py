@@ -5,15 +5,17 @@ starts one zygote per launcher (see :mod:`planaria.agent.workers`). It imports t
 modules once, then serves JSON-line requests from the agent on a socket, single-threaded (its
 main thread is the one that forks: fork-safe with torch and OpenMP). Each ``spawn`` forks a
 child that becomes the worker as ``python script.py`` / ``python -m module`` would have started
-it, minus the imports already done. The zygote reaps its children and reports their exits; it
-never runs user code itself, so it stays pristine for the next spawn.
+it, minus the imports already done, and shows in ``ps`` as that command. The zygote reaps its
+children and reports their exits; it never runs user code itself, so it stays pristine for the
+next spawn.
 
 Agent -> zygote: ``{"op": "spawn", "id", "local_rank", "env", "log_path"}``, ``{"op":
 "shutdown"}`` (or EOF: it then SIGKILLs its children). Zygote -> agent: ``ready``, ``spawned
 {id, pid}``, ``error {id, error}``, ``exited {id, pid, exitcode, signal}``.
 
-Standard library only: the zygote loads this file by path, without the ``planaria`` package,
-so that the workers' ``sys.modules`` stays close to a fresh interpreter's.
+Standard library only (and setproctitle's C function, where installed): the zygote loads this
+file by path, without the ``planaria`` package, so that the workers' ``sys.modules`` stays close
+to a fresh interpreter's.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ from importlib import import_module
 from typing import Any, NoReturn
 
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
 PR_SET_CHILD_SUBREAPER = 36
 _libc: Any = None
+_setproctitle: Callable[[str], None] | None = None
 
 
 def libc() -> Any:
@@ -52,6 +56,46 @@ def prctl(option: int, arg: int) -> None:
     if libc().prctl(option, ctypes.c_ulong(arg), 0, 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
+
+
+def load_setproctitle() -> Callable[[str], None] | None:
+    """setproctitle's C function, or None if it is not installed. Loaded in the zygote, before
+    any fork (a child should not dlopen), and without its package: that imports ``logging``,
+    which every worker would then find already imported."""
+    from importlib.machinery import PathFinder
+    from importlib.util import module_from_spec
+
+    try:
+        package = PathFinder.find_spec("setproctitle")
+        where = list(package.submodule_search_locations or []) if package else []
+        spec = PathFinder.find_spec("setproctitle._setproctitle", where) if where else None
+        if spec is None or spec.loader is None:
+            return None
+        module = module_from_spec(spec)
+        spec.loader.exec_module(module)
+        setter: Callable[[str], None] = module.setproctitle
+        return setter
+    except Exception:
+        return None
+
+
+def set_title(title: str) -> None:
+    """Show this process as ``title`` in /proc/PID/cmdline (ps, top, ``pgrep -f``): a warm
+    worker would otherwise show the zygote's bootstrap. Without setproctitle only the 15-byte
+    comm name can change (what ``pgrep NAME`` and top's default view show)."""
+    if _setproctitle is not None:
+        # Over argv only (the zygote's, config included, is longer than any title): by default
+        # it also writes over the environment block, and /proc/PID/environ would read empty.
+        os.environ["SPT_NOENV"] = "1"
+        try:
+            _setproctitle(title)
+            return
+        except Exception:
+            pass
+        finally:
+            os.environ.pop("SPT_NOENV", None)
+    name = ctypes.create_string_buffer(title.encode(errors="replace")[:15])
+    libc().prctl(PR_SET_NAME, name, 0, 0, 0)
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -92,6 +136,9 @@ def _child(config: Mapping[str, Any], req: Mapping[str, Any], handshake: int) ->
     code = 1
     try:
         zygote = os.getppid()
+        if config.get("title"):
+            with contextlib.suppress(Exception):  # cosmetic: never a reason not to start
+                set_title(str(config["title"]))
         os.setsid()
         die_with_parent(zygote)
         signal.set_wakeup_fd(-1)
@@ -394,8 +441,12 @@ class Zygote:
 
 
 def main(raw_config: str) -> None:
+    global _setproctitle
     config = json.loads(raw_config)
     die_with_parent(int(config["parent"]))
+    _setproctitle = load_setproctitle()
+    with contextlib.suppress(Exception):  # its argv holds the program: pgrep -f would find it
+        set_title(f"planaria zygote (warm interpreter of agent {config['parent']})")
     with contextlib.suppress(OSError):
         prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphaned grandchildren come to us to be reaped
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent decides when workers stop

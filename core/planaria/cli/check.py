@@ -14,7 +14,7 @@ from planaria.checks.runner import run_checks
 from planaria.cli.app import EXIT_UNHEALTHY, ConfigOption, JsonOption, SetOption, app, load_job
 from planaria.cli.output import err, out, print_json, styled
 from planaria.config import ResolvedConfig
-from planaria.errors import ConfigError, ConfigIssue
+from planaria.errors import ConfigError, ConfigIssue, PlanariaError
 from planaria.health import CheckContext, CheckResult, NodeHealth
 from planaria.plugin.manager import PluginManager
 
@@ -90,6 +90,14 @@ def _preflight(resolved: ResolvedConfig, manager: PluginManager, json: bool) -> 
         raise SystemExit(EXIT_UNHEALTHY)
 
 
+def _error_json(exc: PlanariaError) -> dict[str, object]:
+    problems = [
+        {"path": i.path, "line": i.line, "message": i.message}
+        for i in (exc.issues if isinstance(exc, ConfigError) else [])
+    ]
+    return {"healthy": False, "error": str(exc), "problems": problems}
+
+
 @app.command("check")
 def check_command(
     config: ConfigOption = None,
@@ -103,7 +111,12 @@ def check_command(
     Exit 0 if healthy, 1 if any check failed or could not run (with --preflight: a node was
     faulty or slow, or the check could not run), 2 on a config error.
     """
-    resolved, manager = load_job(config, set_)
+    try:
+        resolved, manager = load_job(config, set_)
+    except PlanariaError as exc:
+        if json:  # a script reading stdout gets an answer it can parse, with every problem
+            print_json(_error_json(exc))
+        raise
     if preflight:
         _preflight(resolved, manager, json)
         return

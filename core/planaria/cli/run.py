@@ -16,6 +16,7 @@ from typing import Annotated, Optional
 import typer
 from aiohttp import web
 from rich.live import Live
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -31,7 +32,7 @@ from planaria.master.diagnosis import stopped_on_start
 from planaria.master.job import JobSettings, JobState, Master
 from planaria.master.preflight import PreflightReport
 from planaria.master.server import ServerLimits, make_app, serve
-from planaria.master.timeline import Summary
+from planaria.master.timeline import NO_STEPS, Summary
 from planaria.master.transport import transport
 from planaria.plugin.manager import PluginManager
 from planaria.protocol import MASTER_ENV, TOKEN_ENV, CheckpointSpec, JobSpec
@@ -130,9 +131,24 @@ def _status_table(master: Master) -> Table:
 
 def _print_event(event: JobEvent) -> None:
     style = EVENT_STYLE.get(event.kind)
-    stamp = datetime.datetime.fromtimestamp(event.time).strftime("%H:%M:%S.%f")[:-3]
-    text = f"{stamp} {event.kind.value:<22} {event.message}"
+    text = f"{log.timestamp(event.time)} {event.kind.value:<22} {event.message}"
     out.print(f"[{style}]{text}[/]" if style else text, markup=bool(style), highlight=False)
+
+
+def _print_table(table: Table) -> None:
+    """On a terminal a table fits the terminal. Elsewhere (a CI log, ``| tee``) there is no
+    width to fit, and rich's default of 80 columns would fold every long cell to a few words a
+    line: print the table as wide as its content, one line per row."""
+    if out.is_terminal:
+        out.print(table)
+        return
+    natural = Measurement.get(out, out.options.update_width(1 << 16), table).maximum
+    width = out.width
+    out.width = max(width, natural)
+    try:
+        out.print(table)
+    finally:
+        out.width = width
 
 
 def print_summary(summary: Summary, run_dir: Path) -> None:
@@ -140,13 +156,15 @@ def print_summary(summary: Summary, run_dir: Path) -> None:
     table.add_column("what")
     table.add_column("value")
     table.add_row("result", f"{summary.state}: {summary.reason}")
-    table.add_row("steps done", str(summary.steps))
+    steps = str(summary.steps) if summary.stepped else f"unknown: {NO_STEPS}"
+    table.add_row("steps done", steps)
     table.add_row("wall time", f"{summary.wall_s:.2f}s")
     if summary.startup_s is not None:
         table.add_row("start-up (to first step)", f"{summary.startup_s:.2f}s")
     table.add_row("restarts", str(summary.restarts))
     table.add_row("downtime (recovery)", f"{summary.downtime_s:.2f}s")
-    table.add_row("goodput", f"{summary.goodput:.1%}")
+    goodput = summary.goodput
+    table.add_row("goodput", "unknown: no step reported" if goodput is None else f"{goodput:.1%}")
     if summary.checkpoints:
         table.add_row(
             "checkpoints committed", f"{summary.checkpoints} (last: step {summary.last_checkpoint})"
@@ -160,7 +178,7 @@ def print_summary(summary: Summary, run_dir: Path) -> None:
         table.add_row("skipped checkpoints", Text("\n".join(summary.skipped_checkpoints)))
     if summary.started_from_scratch:
         table.add_row(Text("started from scratch", "bold red"), Text(summary.started_from_scratch))
-    out.print(table)
+    _print_table(table)
     if summary.faults:
         faults = Table(title="faults")
         for column in (
@@ -181,7 +199,7 @@ def print_summary(summary: Summary, run_dir: Path) -> None:
             faults.add_row(
                 fault.kind, verdict, fault.detail, fault.action, restored, recovery, lost
             )
-        out.print(faults)
+        _print_table(faults)
     if summary.stragglers:
         slow = Table(title="stragglers")
         for column in ("rank", "node", "measure", "per step", "others' median", "ratio"):
@@ -195,7 +213,7 @@ def print_summary(summary: Summary, run_dir: Path) -> None:
                 f"{s.others_s * 1000:.1f} ms",
                 f"{s.ratio:.1f}x",
             )
-        out.print(slow)
+        _print_table(slow)
     if summary.preflight is not None:
         print_preflight(summary.preflight)
     out.print(f"timeline: {run_dir / 'events.jsonl'}\nlogs: {run_dir / 'logs'}")
@@ -218,7 +236,7 @@ def print_preflight(report: PreflightReport) -> None:
             v.detail,
             report.actions.get(v.node, "-"),
         )
-    out.print(table)
+    _print_table(table)
 
 
 def _checkpoint_spec(resolved: ResolvedConfig, run_dir: Path) -> CheckpointSpec:

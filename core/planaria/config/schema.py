@@ -31,6 +31,37 @@ SECTION_KINDS: dict[type[BaseModel], PluginKind] = {
 }
 
 
+def _stable_names(
+    schema: dict[str, Any], refs: dict[Any, Any], models: list[type[BaseModel]]
+) -> dict[str, Any]:
+    """Name each plugin's options by its module and class, whatever else is installed (pydantic
+    alone renames a model when another installed plugin's has the same class name, which
+    breaks editors and tools that refer to the definitions)."""
+    renamed: dict[str, str] = {}
+    for model in models:
+        old = str(refs[(model, "validation")]["$ref"]).rsplit("/", 1)[-1]
+        renamed[old] = f"{model.__module__}.{model.__qualname__}"
+    defs: dict[str, Any] = {renamed.get(k, k): v for k, v in schema["$defs"].items()}
+    for new in renamed.values():
+        defs[new]["title"] = new
+
+    def fix(node: Any) -> None:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                name = ref.removeprefix("#/$defs/")
+                node["$ref"] = f"#/$defs/{renamed.get(name, name)}"
+            for value in node.values():
+                fix(value)
+        elif isinstance(node, list):
+            for value in node:
+                fix(value)
+
+    fix(defs)
+    fix(refs)
+    return defs
+
+
 def config_schema(manager: PluginManager) -> dict[str, Any]:
     per_kind = {kind: manager.records(kind) for kind in PluginKind}
     options_models = {
@@ -42,7 +73,7 @@ def config_schema(manager: PluginManager) -> dict[str, Any]:
     refs, schema = models_json_schema(
         [(m, "validation") for m in models], ref_template="#/$defs/{model}"
     )
-    defs = schema["$defs"]
+    defs = _stable_names(schema, refs, [m for m in models if m is not Config])
     root = dict(defs.pop(Config.__name__))
     for section, kind in SECTION_KINDS.items():
         definition = defs.get(section.__name__)

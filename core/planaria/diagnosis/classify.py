@@ -2,11 +2,13 @@
 
 A failed worker is classified from its exit code, its signal and the tail of its log, against
 patterns: the job's own (``diagnosis.fault_patterns``) first, then those plugins register
-(``planaria_fault_patterns``), then the built-in ones below; the first match wins. The class
-decides the master's action:
+(``planaria_fault_patterns``), then the built-in ones below; the first match wins. The built-in
+ones know no vendor: a driver's and a collective library's messages (CUDA, NVIDIA Xids, NCCL,
+HCCL) come with the vendor's plugin, which knows what each of them means. The class decides the
+master's action:
 
-- ``node``: bad hardware (an uncorrectable ECC error, a GPU that fell off the bus, an Xid): the
-  node is replaced and its host excluded; restarting in place would fail again.
+- ``node``: bad hardware (an uncorrectable ECC error, a GPU that fell off the bus, a fatal Xid):
+  the node is replaced and its host excluded; restarting in place would fail again.
 - ``transient``: a lost peer, a collective that timed out, a kill: restart in place.
 - ``user``: a Python exception with no hardware pattern, most likely the training script's
   own bug: restarted in place by default (``diagnosis.on_user_error``), and charged to the budget
@@ -67,25 +69,14 @@ def _p(pattern: str, kind: FaultKind, reason: str) -> FaultPattern:
     return FaultPattern(pattern=pattern, kind=kind, reason=reason)
 
 
-# Hardware first: a CUDA error shows up inside a Python traceback, and must not read as the
-# user's bug. Then what a lost peer or a flaky fabric looks like, which a restart cures.
+# Hardware first: a device error shows up inside a Python traceback, and must not read as the
+# user's bug (a vendor plugin's patterns come earlier still, for the same reason). Then what
+# running out of memory, a lost peer or a flaky fabric looks like, which a restart cures.
 BUILTIN_PATTERNS: tuple[FaultPattern, ...] = (
     _p(r"(?i)uncorrectable ECC error", "node", "uncorrectable ECC error"),
-    _p(r"\bXid\b", "node", "NVIDIA Xid error (see the line for its number)"),
-    _p(r"(?i)fallen off the bus", "node", "GPU fell off the bus"),
-    _p(r"CUDA error: an illegal memory access was encountered", "node",
-       "CUDA illegal memory access (often a failing GPU)"),
-    _p(r"CUDA error: unspecified launch failure", "node", "CUDA unspecified launch failure"),
-    _p(r"CUDA error: (?:an illegal instruction was encountered|uncorrectable NVLink error)",
-       "node", "CUDA hardware error"),
-    _p(r"CUDA-capable device\(s\) is/are busy or unavailable|no CUDA-capable device is detected",
-       "node", "GPU unavailable"),
-    _p(r"(?i)NVLink.*(?:error|fatal)", "node", "NVLink error"),
-    _p(r"CUDA out of memory|OutOfMemoryError", "transient", "CUDA out of memory"),
-    _p(r"ncclSystemError|ncclInternalError|ncclRemoteError|ncclUnhandledCudaError"
-       r"|NCCL error|NCCL WARN", "transient", "NCCL error"),
+    _p(r"\bOutOfMemoryError\b", "transient", "out of memory (torch.OutOfMemoryError)"),
+    _p(r"^MemoryError\b", "transient", "out of host memory (MemoryError)"),
     _p(r"Watchdog caught collective operation timeout", "transient", "collective timed out"),
-    _p(r"(?i)HCCL|hccl.*error", "transient", "HCCL error"),
     _p(r"(?i)gloo.*(?:Connection closed by peer|Connection reset by peer|Broken pipe|Timed out)"
        r"|Connection closed by peer|Connection reset by peer", "transient",
        "a peer was lost (its collective connection closed)"),
@@ -102,8 +93,8 @@ class Classification:
     kind: FaultClass
     reason: str
     source: str
-    """``config``, ``plugin <name>``, ``builtin``, ``exit`` (the exit status alone) or
-    ``start`` (the workers never started)."""
+    """``config``, ``plugin <name>``, ``builtin``, ``exit`` (the exit status alone),
+    ``start`` (the workers never started) or ``pattern`` (from :func:`match`)."""
     line: str = ""
 
     def describe(self) -> str:
@@ -115,6 +106,35 @@ class _Rule:
     regex: re.Pattern[str]
     pattern: FaultPattern
     source: str
+
+    @classmethod
+    def of(cls, pattern: FaultPattern, source: str) -> _Rule:
+        return cls(re.compile(pattern.pattern, re.MULTILINE), pattern, source)
+
+
+def _first_match(rules: Iterable[_Rule], log_tail: str) -> Classification | None:
+    for rule in rules:
+        found = rule.regex.search(log_tail)
+        if found is not None:
+            return Classification(
+                FaultClass(rule.pattern.kind),
+                rule.pattern.label,
+                rule.source,
+                _line_at(log_tail, found.start()),
+            )
+    return None
+
+
+def match(patterns: FaultPattern | Iterable[FaultPattern], text: str) -> Classification | None:
+    """The verdict of the first of ``patterns`` found in ``text`` (a log line or tail), as the
+    classifier would give it, or None: how a plugin tests its patterns on recorded messages::
+
+        verdict = match(planaria_fault_patterns(), "NVRM: Xid (PCI:0000:3b:00): 79, ...")
+        assert verdict is not None and verdict.kind is FaultClass.NODE
+    """
+    if isinstance(patterns, FaultPattern):
+        patterns = [patterns]
+    return _first_match([_Rule.of(p, "pattern") for p in patterns], text)
 
 
 class Classifier:
@@ -129,18 +149,16 @@ class Classifier:
         rules = [(p, "config") for p in config]
         rules += [(p, f"plugin {name}") for name, p in plugins]
         rules += [(p, "builtin") for p in builtin]
-        self._rules = [_Rule(re.compile(p.pattern, re.MULTILINE), p, s) for p, s in rules]
+        self._rules = [_Rule.of(p, s) for p, s in rules]
+
+    def match(self, log_tail: str) -> Classification | None:
+        """The verdict of the first pattern found in ``log_tail``; None if none is."""
+        return _first_match(self._rules, log_tail)
 
     def classify(self, exitcode: int | None, signal: int | None, log_tail: str) -> Classification:
-        for rule in self._rules:
-            match = rule.regex.search(log_tail)
-            if match is not None:
-                return Classification(
-                    FaultClass(rule.pattern.kind),
-                    rule.pattern.label,
-                    rule.source,
-                    _line_at(log_tail, match.start()),
-                )
+        matched = self.match(log_tail)
+        if matched is not None:
+            return matched
         if signal == _signal.SIGKILL or exitcode == 128 + _signal.SIGKILL:
             return Classification(
                 FaultClass.TRANSIENT,

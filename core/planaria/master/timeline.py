@@ -48,6 +48,11 @@ class Fault:
         return max(0, self.last_step - self.first_step_after + 1)
 
 
+NO_STEPS = (
+    "the training command never reported a step: call planaria.monitor.step(n) or Checkpointer.save"
+)
+
+
 @dataclass
 class Summary:
     state: str
@@ -73,8 +78,17 @@ class Summary:
     """The pre-flight node check, when the job ran one."""
 
     @property
-    def goodput(self) -> float:
-        """Productive time over wall time: what was not start-up nor recovery."""
+    def stepped(self) -> bool:
+        """Whether the training command reported any step: without one, neither the steps
+        done nor the goodput are known (0 and 100% would be guesses)."""
+        return self.steps > 0 or self.startup_s is not None
+
+    @property
+    def goodput(self) -> float | None:
+        """Productive time over wall time: what was not start-up nor recovery. None when no
+        step was reported: start-up then never ended, as far as the master can tell."""
+        if not self.stepped:
+            return None
         if self.wall_s <= 0:
             return 0.0
         lost = (self.startup_s or 0.0) + self.downtime_s

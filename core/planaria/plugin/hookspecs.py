@@ -103,7 +103,8 @@ class PlanariaSpecs:
     def planaria_fault_patterns(self) -> Iterable[FaultPattern]:
         """Register log patterns that classify a failed worker (``node``, ``transient`` or
         ``user``), checked after the job's ``diagnosis.fault_patterns`` and before the
-        built-in ones. A chip vendor knows its driver's messages.
+        core's vendor-neutral ones. A chip vendor knows its driver's messages; it tests them
+        with :func:`planaria.diagnosis.classify.match`.
 
         Example::
 

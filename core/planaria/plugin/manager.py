@@ -15,10 +15,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from importlib.metadata import EntryPoint, entry_points
-from typing import Any, cast
+from typing import Any
 
 import pluggy
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from planaria.diagnosis.classify import FaultPattern
 from planaria.errors import (
@@ -59,10 +59,14 @@ class PluginInfo:
     status: PluginStatus = PluginStatus.LOADED
     reason: str = ""
     records: list[PluginRecord] = field(default_factory=list)
+    fault_patterns: list[FaultPattern] = field(default_factory=list)
 
     @property
     def kinds(self) -> list[str]:
-        return sorted({r.kind.value for r in self.records})
+        kinds = {r.kind.value for r in self.records}
+        if self.fault_patterns:
+            kinds.add(PluginKind.FAULT_PATTERN.value)
+        return sorted(kinds)
 
     @property
     def provider(self) -> str:
@@ -79,6 +83,7 @@ class PluginInfo:
             "status": self.status.value,
             "reason": self.reason or None,
             "records": [r.describe() for r in self.records],
+            "fault_patterns": [p.model_dump() for p in self.fault_patterns],
         }
 
 
@@ -111,6 +116,7 @@ class PluginManager:
         self._disabled = {normalize_name(n) for n in disable}
         self.plugins: dict[str, PluginInfo] = {}
         self._records: dict[PluginKind, dict[str, tuple[PluginRecord, PluginInfo]]] | None = None
+        self._patterns: list[tuple[str, FaultPattern]] = []
         self._duplicates: list[str] = []
 
     @classmethod
@@ -200,6 +206,7 @@ class PluginManager:
         info.status = PluginStatus.FAILED
         info.reason = reason
         info.records = []
+        info.fault_patterns = []
         obj = self._pm.get_plugin(info.name)
         if obj is not None:
             self._pm.unregister(obj)
@@ -216,6 +223,7 @@ class PluginManager:
         if self._records is not None:
             return self._records
         per_plugin: dict[str, list[PluginRecord]] = {}
+        patterns: dict[str, list[FaultPattern]] = {}
         for kind in PluginKind:
             caller = getattr(self._pm.hook, kind.hook)
             for impl in caller.get_hookimpls():
@@ -223,12 +231,17 @@ class PluginManager:
                 if info.status is not PluginStatus.LOADED:
                     continue
                 try:
-                    records = self._call_registration(impl.function, kind)
+                    produced = self._call_registration(impl.function, kind)
                 except Exception as exc:
                     self._fail(info, f"{kind.hook}() failed: {_one_line_exception(exc)}")
                     per_plugin.pop(info.name, None)
+                    patterns.pop(info.name, None)
                     continue
-                per_plugin.setdefault(info.name, []).extend(records)
+                for record in produced:
+                    if isinstance(record, FaultPattern):
+                        patterns.setdefault(info.name, []).append(record)
+                    else:
+                        per_plugin.setdefault(info.name, []).append(record)
 
         collected: dict[PluginKind, dict[str, tuple[PluginRecord, PluginInfo]]] = {
             k: {} for k in PluginKind
@@ -250,17 +263,24 @@ class PluginManager:
                     )
                     continue
                 collected[record.kind][record.name] = (record, info)
+        self._patterns = []
+        for plugin_name, found in patterns.items():
+            info = self.plugins[plugin_name]
+            if info.status is PluginStatus.LOADED:
+                info.fault_patterns = found
+                self._patterns += [(plugin_name, pattern) for pattern in found]
         self._duplicates = duplicates
         self._records = collected
         return collected
 
     @staticmethod
-    def _call_registration(function: Any, kind: PluginKind) -> list[PluginRecord]:
+    def _call_registration(function: Any, kind: PluginKind) -> list[PluginRecord | FaultPattern]:
         expected = RECORD_TYPES[kind]
         result = function()
         if result is None:
             return []
-        if isinstance(result, PluginRecord):
+        # One record alone; iterating a pydantic model would yield its fields instead.
+        if isinstance(result, BaseModel):
             result = [result]
         records = list(result)
         for record in records:
@@ -331,29 +351,10 @@ class PluginManager:
         raise PluginNotFoundError(message)
 
     def fault_patterns(self) -> list[tuple[str, FaultPattern]]:
-        """Every ``planaria_fault_patterns`` record with its plugin's name. A plugin whose hook
-        raises or returns something else is logged and skipped; the others still count."""
-        found: list[tuple[str, FaultPattern]] = []
-        for impl in self._pm.hook.planaria_fault_patterns.get_hookimpls():
-            records: list[FaultPattern] = []
-            try:
-                produced = cast("Iterable[object]", impl.function() or ())
-                for record in produced:
-                    if not isinstance(record, FaultPattern):
-                        raise TypeError(
-                            "planaria_fault_patterns() must return FaultPattern records, "
-                            f"got {type(record).__name__}"
-                        )
-                    records.append(record)
-            except Exception as exc:
-                log.warning(
-                    "fault patterns of a plugin are skipped",
-                    plugin=impl.plugin_name,
-                    error=_one_line_exception(exc),
-                )
-                continue
-            found += [(impl.plugin_name, record) for record in records]
-        return found
+        """Every ``planaria_fault_patterns`` record with its plugin's name, in the order the
+        classifier tries them. A plugin whose hook fails is ``failed``, like for any kind."""
+        self._collect()
+        return list(self._patterns)
 
     # -- lifecycle hooks -------------------------------------------------------------------
 

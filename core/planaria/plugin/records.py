@@ -2,7 +2,9 @@
 
 A record names an implementation class, the pydantic model that validates its config section
 (``options``), and a one-line summary. Names are normalised (lower case, ``-`` becomes ``_``),
-so ``custom-script`` and ``custom_script`` are the same name.
+so ``custom-script`` and ``custom_script`` are the same name. Fault patterns are the one kind
+whose records (:class:`~planaria.diagnosis.classify.FaultPattern`) have no name or factory: no
+config selects them, every one installed classifies.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from planaria.benchmark import NodeBenchmark
+from planaria.diagnosis.classify import FaultPattern
 from planaria.health import HealthCheck
 from planaria.rendezvous import RendezvousHandler
 from planaria.scheduler import Scheduler
@@ -33,6 +36,8 @@ class PluginKind(str, Enum):
     RENDEZVOUS_BACKEND = "rendezvous_backend"
     CHECKPOINT_STORAGE = "checkpoint_storage"
     NODE_BENCHMARK = "node_benchmark"
+    FAULT_PATTERN = "fault_pattern"
+    """Unnamed and never selected: every registered pattern classifies, in order."""
 
     @property
     def label(self) -> str:
@@ -121,27 +126,27 @@ class NodeBenchmarkRecord(PluginRecord):
     factory: type[NodeBenchmark]  # type: ignore[type-arg]  # pydantic rejects type[X[Any]]
 
 
-RECORD_TYPES: dict[PluginKind, type[PluginRecord]] = {
+RECORD_TYPES: dict[PluginKind, type[PluginRecord] | type[FaultPattern]] = {
     PluginKind.HEALTH_CHECK: HealthCheckRecord,
     PluginKind.SCHEDULER: SchedulerRecord,
     PluginKind.RENDEZVOUS_BACKEND: RendezvousBackendRecord,
     PluginKind.CHECKPOINT_STORAGE: CheckpointStorageRecord,
     PluginKind.NODE_BENCHMARK: NodeBenchmarkRecord,
+    PluginKind.FAULT_PATTERN: FaultPattern,
 }
 
 # Names whose provider is well known: an unknown-name error tells the user what to install.
+# Only distributions this project publishes (its plugins/ folder): a suggestion to install a
+# package that does not exist sends the user nowhere.
 WELL_KNOWN: dict[PluginKind, dict[str, str]] = {
     PluginKind.HEALTH_CHECK: {
         "nvidia": "planaria-nvidia",
         "ascend": "planaria-ascend",
         "custom_script": "planaria-custom-script",
     },
-    PluginKind.SCHEDULER: {
-        "slurm": "planaria-slurm",
-        "ray": "planaria-ray",
-        "kubernetes": "planaria-kubernetes",
-    },
+    PluginKind.SCHEDULER: {},
     PluginKind.RENDEZVOUS_BACKEND: {},
     PluginKind.CHECKPOINT_STORAGE: {"fsspec": "planaria-fsspec"},
     PluginKind.NODE_BENCHMARK: {},
+    PluginKind.FAULT_PATTERN: {},
 }

@@ -88,3 +88,12 @@ def test_planaria_check_says_not_applicable(tmp_path: Path) -> None:
     assert "not_applicable" in table.stdout
     assert "no Ascend NPU software on this node" in table.stdout
     assert "healthy (2 check(s))" in table.stdout
+
+
+def test_hccl_errors_are_transient() -> None:
+    from planaria.diagnosis.classify import FaultClass, match
+
+    line = "RuntimeError: HCCL function error: hcclAllReduce(...), error code is 7"
+    verdict = match(plugin.planaria_fault_patterns(), line)
+    assert verdict is not None and verdict.kind is FaultClass.TRANSIENT
+    assert match(plugin.planaria_fault_patterns(), "HCCL_CONNECT_TIMEOUT=1800") is None

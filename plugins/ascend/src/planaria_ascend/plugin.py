@@ -1,9 +1,11 @@
-"""Registers the ``ascend`` health check through the ``planaria`` entry-point group."""
+"""Registers the ``ascend`` health check and the HCCL fault pattern through the ``planaria``
+entry-point group."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+from planaria.diagnosis.classify import FaultPattern
 from planaria.plugin import hookimpl
 from planaria.plugin.records import HealthCheckRecord
 from planaria_ascend.check import AscendCheck
@@ -18,4 +20,14 @@ def planaria_health_checks() -> Iterator[HealthCheckRecord]:
         options=AscendOptions,
         summary="Huawei Ascend NPUs through torch_npu and npu-smi: presence, health, ECC, "
         "temperature",
+    )
+
+
+@hookimpl
+def planaria_fault_patterns() -> FaultPattern:
+    # A collective that failed (a lost peer, a timeout): a restart in place cures it.
+    return FaultPattern(
+        pattern=r"(?i)\bhccl\b.*(?:error|fail|timeout|timed out)",
+        kind="transient",
+        reason="HCCL error",
     )

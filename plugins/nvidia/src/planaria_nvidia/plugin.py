@@ -1,13 +1,16 @@
-"""Registers the ``nvidia`` health check through the ``planaria`` entry-point group."""
+"""Registers the ``nvidia`` health check and the NVIDIA fault patterns (driver Xids, CUDA and
+NCCL errors) through the ``planaria`` entry-point group."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+from planaria.diagnosis.classify import FaultPattern
 from planaria.plugin import hookimpl
 from planaria.plugin.records import HealthCheckRecord
 from planaria_nvidia.check import NvidiaCheck
 from planaria_nvidia.options import NvidiaOptions
+from planaria_nvidia.patterns import PATTERNS
 
 
 @hookimpl
@@ -19,3 +22,8 @@ def planaria_health_checks() -> Iterator[HealthCheckRecord]:
         summary="NVIDIA GPUs through NVML: count, ECC, row remapping, XID events, throttling, "
         "temperature, NVLink errors",
     )
+
+
+@hookimpl
+def planaria_fault_patterns() -> list[FaultPattern]:
+    return list(PATTERNS)
