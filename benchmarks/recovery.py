@@ -22,11 +22,13 @@ The last line printed is one JSON object with the figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -101,13 +103,7 @@ def run_planaria(args: argparse.Namespace, work: Path) -> Trial:
     planaria = Path(sys.executable).parent / "planaria"
     started = time.time()
     try:
-        proc = subprocess.run(
-            [str(planaria), "run", str(config)],
-            cwd=work,
-            capture_output=True,
-            text=True,
-            timeout=args.timeout,
-        )
+        proc = run_group([str(planaria), "run", str(config)], work, dict(os.environ), args.timeout)
         ok, note = proc.returncode == 0, proc.stdout[-300:] if proc.returncode else ""
     except subprocess.TimeoutExpired:
         ok, note = False, "timed out (hang)"
@@ -118,6 +114,30 @@ def run_planaria(args: argparse.Namespace, work: Path) -> Trial:
     rank0 = (logs / "rank-0.log").read_text(errors="replace")
     killed = (logs / "rank-1.log").read_text(errors="replace")
     return measure(rank0, killed, args.kill_at, ok, wall, note)
+
+
+def run_group(
+    command: list[str], cwd: Path, env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` in a session of its own; past ``timeout`` kill the whole session, so
+    that the workers of a hung launcher (torchrun's are not tied to it) do not outlive it."""
+    proc = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(command, timeout, out, err) from exc
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 def run_torchrun(args: argparse.Namespace, work: Path, workaround: bool) -> Trial:
@@ -134,9 +154,7 @@ def run_torchrun(args: argparse.Namespace, work: Path, workaround: bool) -> Tria
     ]  # fmt: skip
     started = time.time()
     try:
-        proc = subprocess.run(
-            command, cwd=work, env=env, capture_output=True, text=True, timeout=args.timeout
-        )
+        proc = run_group(command, work, env, args.timeout)
         ok, output = proc.returncode == 0, proc.stdout + proc.stderr
         note = "" if ok else _last_error(output)
     except subprocess.TimeoutExpired as exc:
