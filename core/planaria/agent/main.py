@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ipaddress
 import os
 import signal
 import socket
@@ -36,6 +35,7 @@ from planaria.diagnosis.messages import HangReport, HealthReport
 from planaria.diagnosis.watch import NodeWatch
 from planaria.errors import PlanariaError, RendezvousClosedError
 from planaria.log import bind, get_logger
+from planaria.master.transport import is_loopback
 from planaria.progress import ENV as PROGRESS_ENV
 from planaria.progress import ProgressBoard
 from planaria.protocol import (
@@ -65,13 +65,8 @@ def node_address(master_url: str) -> str:
     loopback (every node is on this machine), else this host's resolved address."""
     if os.environ.get("PLANARIA_ADDR"):
         return os.environ["PLANARIA_ADDR"]
-    host = urlparse(master_url).hostname or ""
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return "127.0.0.1"
-    except ValueError:
-        if host == "localhost":
-            return "127.0.0.1"
+    if is_loopback(urlparse(master_url).hostname or ""):
+        return "127.0.0.1"
     return socket.gethostbyname(socket.gethostname())
 
 

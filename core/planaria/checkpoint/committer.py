@@ -89,19 +89,21 @@ class Committer:
                 log.warning("cannot see a step's shards", step=c.step, error=str(exc))
                 have, failed = set(), set()
             progress[id(c)] = (have, failed - have)  # a shard written again after a failure
-        newest_ready: dict[int, int] = {}
-        for c in waiting:
+
+        def ready(c: Commit) -> bool:
             have, failed = progress[id(c)]
-            if not c.cleanup and not failed and len(have) == c.world:
-                key = id(c.store)
-                newest_ready[key] = max(newest_ready.get(key, -1), c.step)
+            return not c.cleanup and not failed and len(have) == c.world
+
+        newest_ready: dict[int, int] = {}
+        for c in filter(ready, waiting):
+            newest_ready[id(c.store)] = max(newest_ready.get(id(c.store), -1), c.step)
         left = []
         now = time.monotonic()
         for c in sorted(waiting, key=lambda c: c.step):
-            have, failed = progress[id(c)]
-            if not c.cleanup and not failed and len(have) == c.world:
+            if ready(c):
                 self._commit(c)
                 continue
+            have, failed = progress[id(c)]
             why = None
             newer = newest_ready.get(id(c.store), -1)
             if failed and len(have | failed) >= c.world:

@@ -24,6 +24,7 @@ Retention keeps the newest ``keep_last`` steps that verify (see :meth:`Checkpoin
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import re
 import time
@@ -255,7 +256,8 @@ class CheckpointStore:
         is older than every kept step, or until a new commit of its step number replaces it.
         """
         committed = self.committed_steps()
-        kept = [s for s in committed if self.usable(s)][: self.keep_last]
+        # Newest first, and no further than needed: each check reads a manifest.
+        kept = list(itertools.islice((s for s in committed if self.usable(s)), self.keep_last))
         if not kept:
             return []
         doomed = [step_dir(s) for s in committed if s < kept[-1]]
