@@ -549,6 +549,10 @@ def test_a_persister_whose_agent_died_follows_it_promptly(tmp_path: Path) -> Non
     try:
         assert parent.stdout is not None
         pid = int(parent.stdout.readline())
+        # save() returns once the shard is in memory: the last persist may still be writing.
+        deadline = time.monotonic() + 30
+        while len(partials(tmp_path / "ckpt")) < 8 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert len(partials(tmp_path / "ckpt")) == 8
         parent.kill()
         parent.wait()
