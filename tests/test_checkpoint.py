@@ -19,13 +19,13 @@ torch = pytest.importorskip("torch")
 
 from planaria.checkpoint import Checkpointer  # noqa: E402
 from planaria.checkpoint.layout import LayoutError, plan, rebuild  # noqa: E402
+from planaria.checkpoint.persisted import PersistedCheckpoints  # noqa: E402
 from planaria.checkpoint.segment import Segment  # noqa: E402
-from planaria.checkpoint.store import CheckpointStore  # noqa: E402
 from planaria.errors import StorageError  # noqa: E402
 from planaria.master.restore import agree  # noqa: E402
 from planaria.protocol import MemoryHolding  # noqa: E402
 from planaria.rendezvous import RendezvousInfo  # noqa: E402
-from planaria.storages.local import LocalStorage, LocalStorageOptions  # noqa: E402
+from planaria.storage.local import LocalStorage, LocalStorageOptions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,8 +57,8 @@ def equal_trees(a: Any, b: Any) -> bool:
     return bool(a == b) and type(a) is type(b)
 
 
-def store_at(path: Path) -> CheckpointStore:
-    return CheckpointStore(LocalStorage(LocalStorageOptions(path=path)))
+def store_at(path: Path) -> PersistedCheckpoints:
+    return PersistedCheckpoints(LocalStorage(LocalStorageOptions(path=path)))
 
 
 # -- layout -----------------------------------------------------------------------------------

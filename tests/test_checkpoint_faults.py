@@ -36,9 +36,9 @@ from planaria.checkpoint.env import (  # noqa: E402
     SOCKET_ENV,
     STORAGE_ENV,
 )
-from planaria.checkpoint.store import CheckpointStore, checksum  # noqa: E402
+from planaria.checkpoint.persisted import PersistedCheckpoints, checksum  # noqa: E402
 from planaria.shm import make_temp_dir, remove_dir  # noqa: E402
-from planaria.storages.local import LocalStorage, LocalStorageOptions  # noqa: E402
+from planaria.storage.local import LocalStorage, LocalStorageOptions  # noqa: E402
 
 mark = test_run.mark  # the fixture that checks no process of a run outlives it
 small_disk = test_checkpoint.small_disk  # a real, small tmpfs: a real "No space left"
@@ -303,13 +303,13 @@ def test_corrupt_steps_are_never_kept_in_place_of_a_new_good_one(tmp_path: Path)
     assert store_at(root).committed_steps() == [11, 7, 3]
 
 
-def _step_on(store: CheckpointStore, step: int) -> None:
+def _step_on(store: PersistedCheckpoints, step: int) -> None:
     store.write_shard(step, 0, 1, memoryview(bytes(64)), {"tensors": [], "tree": {}, "step": step})
     store.commit(step, 1)
 
 
 def test_retention_keeps_the_newest_steps_that_verify(tmp_path: Path) -> None:
-    store = CheckpointStore(LocalStorage(LocalStorageOptions(path=tmp_path)), keep_last=2)
+    store = PersistedCheckpoints(LocalStorage(LocalStorageOptions(path=tmp_path)), keep_last=2)
     for step in (10, 20, 30):
         _step_on(store, step)
     assert store.committed_steps() == [30, 20]

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from planaria.checks.host import HostCheck, HostOptions, available_memory_bytes
-from planaria.checks.runner import ConfiguredCheck, run_checks
 from planaria.errors import HealthCheckError
-from planaria.health import CheckContext, DeviceResult, HealthCheck, Status
+from planaria.health.api import CheckContext, DeviceResult, HealthCheck, Status
+from planaria.health.host import HostCheck, HostOptions, available_memory_bytes
+from planaria.health.runner import ConfiguredCheck, run_checks
 from planaria.plugin.records import HealthCheckRecord, NoOptions
 
 

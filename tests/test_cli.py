@@ -128,7 +128,7 @@ def test_config_validate_show_and_schema(cli, tmp_path):
 
     schema = cli("config", "schema")
     assert schema.returncode == 0
-    assert "planaria.checks.host.HostOptions" in json.loads(schema.stdout)["$defs"]
+    assert "planaria.health.host.HostOptions" in json.loads(schema.stdout)["$defs"]
 
 
 def test_config_errors_exit_2_without_traceback(cli, tmp_path):

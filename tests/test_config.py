@@ -11,15 +11,15 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from planaria.checks.host import HostOptions
 from planaria.config import load
 from planaria.config.loader import parse_text
 from planaria.config.models import NodeRange
 from planaria.config.schema import config_schema
 from planaria.durations import format_duration, parse_duration
 from planaria.errors import ConfigError
+from planaria.health.host import HostOptions
 from planaria.plugin.manager import PluginManager
-from planaria.storages.local import LocalStorage
+from planaria.storage.local import LocalStorage
 
 GOOD = """\
 job:
@@ -264,7 +264,7 @@ def test_a_plugins_options_keep_their_schema_name_whatever_else_is_installed():
     from pydantic import BaseModel, ConfigDict
 
     import planaria
-    from planaria.checks.host import HostCheck
+    from planaria.health.host import HostCheck
     from planaria.plugin.records import HealthCheckRecord
 
     class HostOptions(BaseModel):  # the same class name as the built-in host check's
@@ -280,7 +280,7 @@ def test_a_plugins_options_keep_their_schema_name_whatever_else_is_installed():
     manager = PluginManager.from_entry_points()
     manager.register(Twin(), "twin", distribution="planaria-twin", version="1.0")
     both = config_schema(manager)
-    key = "planaria.checks.host.HostOptions"
+    key = "planaria.health.host.HostOptions"
     assert alone["$defs"][key] == both["$defs"][key]
     assert both["$defs"][key]["title"] == key
     twin = [k for k in both["$defs"] if k.endswith("HostOptions") and k != key]

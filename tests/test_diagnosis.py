@@ -18,13 +18,14 @@ from planaria import monitor
 from planaria.chaos import ChaosRule
 from planaria.config.loader import parse_text
 from planaria.config.resolve import load_raw
-from planaria.diagnosis.classify import Classifier, FaultClass, FaultPattern
+from planaria.diagnosis.classify import Classifier
 from planaria.diagnosis.gate import bind_checks, check_node
 from planaria.diagnosis.hang import HangWatch
 from planaria.diagnosis.messages import CheckSpec, DiagnosisSpec
 from planaria.diagnosis.stacks import dump_stack, find_py_spy, truncate
 from planaria.diagnosis.stragglers import RankTimes, StepTimes, StragglerDetector
 from planaria.errors import ConfigError
+from planaria.fault_pattern.api import FaultClass, FaultPattern
 from planaria.plugin import hookimpl
 from planaria.plugin.manager import PluginManager
 from planaria.progress import Progress, ProgressBoard

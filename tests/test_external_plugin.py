@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
-from planaria.checks.runner import ConfiguredCheck, run_checks
-from planaria.health import CheckContext, Status
+from planaria.health.api import CheckContext, Status
+from planaria.health.runner import ConfiguredCheck, run_checks
 from planaria.plugin.records import HealthCheckRecord
 
 EXAMPLE = Path(__file__).parent / "example_plugin"

@@ -6,14 +6,9 @@ import json
 
 import pytest
 
-from planaria.diagnosis.classify import (
-    BUILTIN_PATTERNS,
-    Classifier,
-    FaultClass,
-    FaultPattern,
-    match,
-)
-from planaria.health import HealthCheck
+from planaria.diagnosis.classify import BUILTIN_PATTERNS, Classifier
+from planaria.fault_pattern.api import FaultClass, FaultPattern, match
+from planaria.health.api import HealthCheck
 from planaria.plugin import hookimpl
 from planaria.plugin.manager import PluginManager, PluginStatus
 from planaria.plugin.records import HealthCheckRecord

@@ -25,8 +25,8 @@ from pydantic import ValidationError
 from planaria.errors import SchedulerError
 from planaria.plugin.manager import PluginManager
 from planaria.plugin.records import PluginKind
-from planaria.scheduler import LaunchSpec, NodeEvent, NodeState
-from planaria.schedulers.local import LocalOptions, LocalScheduler
+from planaria.scheduler.api import LaunchSpec, NodeEvent, NodeState
+from planaria.scheduler.local import LocalOptions, LocalScheduler
 
 PRELUDE = """\
 import os, pathlib, sys, time
@@ -396,8 +396,8 @@ def test_stop_some_nodes_and_do_not_wait_for_the_grace_needlessly(harness: Harne
 
 PARENT = """\
 import sys, time
-from planaria.scheduler import LaunchSpec
-from planaria.schedulers.local import LocalOptions, LocalScheduler
+from planaria.scheduler.api import LaunchSpec
+from planaria.scheduler.local import LocalOptions, LocalScheduler
 scheduler = LocalScheduler(LocalOptions())
 spec = LaunchSpec(job="t", command=tuple(sys.argv[2:]), env={"PIDDIR": sys.argv[1]})
 scheduler.launch(spec, 1)

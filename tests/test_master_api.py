@@ -11,8 +11,8 @@ import aiohttp
 from planaria.master.job import JobSettings, JobState, Master
 from planaria.master.server import ServerLimits, make_app, serve
 from planaria.protocol import API_PREFIX, JobSpec
-from planaria.scheduler import LaunchSpec
-from planaria.schedulers.local import LocalOptions, LocalScheduler
+from planaria.scheduler.api import LaunchSpec
+from planaria.scheduler.local import LocalOptions, LocalScheduler
 
 TOKEN = "s3cret-token"
 

@@ -14,7 +14,7 @@ from planaria.errors import (
     PluginNotFoundError,
 )
 from planaria.events import EventKind, JobEvent
-from planaria.health import HealthCheck
+from planaria.health.api import HealthCheck
 from planaria.plugin.manager import PluginManager, PluginStatus
 from planaria.plugin.records import HealthCheckRecord, NoOptions, PluginKind
 

@@ -11,7 +11,6 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from planaria.benchmark import BenchmarkContext
 from planaria.chaos import ChaosRule
 from planaria.config import load
 from planaria.diagnosis.messages import BenchmarkRun, BenchmarkSpec, PreflightTask
@@ -25,6 +24,7 @@ from planaria.diagnosis.preflight import (
     suspects_of,
 )
 from planaria.errors import ConfigError
+from planaria.node_benchmark.api import BenchmarkContext
 from planaria.plugin.manager import PluginManager
 from planaria.plugin.records import NodeBenchmarkRecord, PluginKind
 
@@ -140,7 +140,7 @@ def _context(slow: float = 1.0) -> BenchmarkContext:
 
 def test_the_cpu_benchmark_times_a_matmul_and_checks_an_allreduce():
     pytest.importorskip("torch")
-    from planaria.benchmarks.cpu import CpuBenchmark, CpuOptions
+    from planaria.node_benchmark.cpu import CpuBenchmark, CpuOptions
 
     bench = CpuBenchmark(CpuOptions(size=128, repeats=5))
     normal = bench.run(_context())
@@ -200,7 +200,7 @@ def test_the_benchmark_child_dies_with_its_agent(tmp_path):
     script = tmp_path / "agent.py"
     script.write_text(  # the order is read to its end: only the death signal can stop the child
         "import os, subprocess, sys\n"
-        "child = subprocess.Popen([sys.executable, '-m', 'planaria.diagnosis.bench_child',"
+        "child = subprocess.Popen([sys.executable, '-m', 'planaria.node_benchmark.child',"
         f" str(os.getpid())], stdin=open({str(tmp_path / 'order.json')!r}))\n"
         "print(child.pid, flush=True)\n"
         "import time; time.sleep(60)\n"

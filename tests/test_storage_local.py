@@ -12,14 +12,14 @@ from pydantic import ValidationError
 from planaria.errors import StorageError
 from planaria.plugin.manager import PluginManager
 from planaria.plugin.records import CheckpointStorageRecord, PluginKind
-from planaria.storages.local import LocalStorage, LocalStorageOptions
+from planaria.storage.local import LocalStorage, LocalStorageOptions
 from planaria.testing import StorageConformance, StorageFactorySpec, build_storage
 
 
 class TestLocalStorage(StorageConformance):
     @pytest.fixture
     def storage_factory_spec(self, tmp_path: Path) -> StorageFactorySpec:
-        return ("planaria.storages.local:LocalStorage", {"path": str(tmp_path / "store")})
+        return ("planaria.storage.local:LocalStorage", {"path": str(tmp_path / "store")})
 
     @pytest.fixture
     def storage(self, storage_factory_spec: StorageFactorySpec) -> LocalStorage:

@@ -1,6 +1,6 @@
 """The agent's side of the pre-flight node check: ask the master, run the benchmark, report.
 
-Each run is a child process (:mod:`planaria.diagnosis.bench_child`) with the benchmark's
+Each run is a child process (:mod:`planaria.node_benchmark.child`) with the benchmark's
 timeout: a benchmark that hangs (a wedged device, a peer that never comes) is killed and
 reported as a timeout; one that raises is reported with the last line of its error.
 """
@@ -18,7 +18,6 @@ from typing import Any
 
 from planaria.agent.client import MasterClient
 from planaria.chaos import ChaosRule
-from planaria.diagnosis.bench_child import MARKER
 from planaria.diagnosis.messages import (
     BenchmarkRun,
     PreflightOrder,
@@ -28,6 +27,7 @@ from planaria.diagnosis.messages import (
 )
 from planaria.diagnosis.preflight import STOPPED
 from planaria.log import get_logger
+from planaria.node_benchmark.child import MARKER
 from planaria.protocol import Ack
 
 log = get_logger("agent.preflight")
@@ -107,7 +107,7 @@ async def run_benchmark(
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "planaria.diagnosis.bench_child",
+        "planaria.node_benchmark.child",
         str(os.getpid()),
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,

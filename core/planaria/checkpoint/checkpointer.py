@@ -29,10 +29,10 @@ from planaria.checkpoint.env import (
     STORAGE_ENV,
 )
 from planaria.checkpoint.layout import Layout, TensorEntry, dtype_of, plan, rebuild
+from planaria.checkpoint.persisted import Manifest, PersistedCheckpoints, ShardRecord
 from planaria.checkpoint.persister import SOCKET_DIR_PREFIX
 from planaria.checkpoint.segment import SHM_DIR, Segment, SegmentError
 from planaria.checkpoint.storage import build_storage
-from planaria.checkpoint.store import CheckpointStore, Manifest, ShardRecord
 from planaria.errors import CheckpointCorruptError, CheckpointRestoreError, StorageError
 from planaria.log import get_logger
 from planaria.shm import make_temp_dir, remove_dir
@@ -106,7 +106,7 @@ class Checkpointer:
         self._tensors_json = b"[]"
         self._views_segment: Segment | None = None
         self._views: dict[int, list[torch.Tensor | None]] = {}
-        self._store: CheckpointStore | None = None
+        self._store: PersistedCheckpoints | None = None
         self._sock: socket.socket | None = None
         self._reader: Any = None
         self._pending: collections.deque[int] = collections.deque(maxlen=2)
@@ -144,9 +144,9 @@ class Checkpointer:
         return int(os.environ.get("WORLD_SIZE", "1"))
 
     @property
-    def store(self) -> CheckpointStore:
+    def store(self) -> PersistedCheckpoints:
         if self._store is None:
-            self._store = CheckpointStore(build_storage(self.spec), self.keep_last)
+            self._store = PersistedCheckpoints(build_storage(self.spec), self.keep_last)
         return self._store
 
     # -- saving --------------------------------------------------------------------------------
@@ -593,7 +593,7 @@ def _fill(raw: torch.Tensor, entry: TensorEntry, old: Any) -> torch.Tensor:
 class _StorageShards:
     """One committed step's shards, read and verified on demand."""
 
-    def __init__(self, store: CheckpointStore, step: int, manifest: Manifest) -> None:
+    def __init__(self, store: PersistedCheckpoints, step: int, manifest: Manifest) -> None:
         self.store = store
         self.step = step
         self.manifest = manifest

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from planaria.checkpoint.store import CheckpointStore
+from planaria.checkpoint.persisted import PersistedCheckpoints
 from planaria.errors import PlanariaError, StorageError
 from planaria.log import get_logger
 
@@ -33,7 +33,7 @@ Emit = Callable[..., None]
 
 @dataclass
 class Commit:
-    store: CheckpointStore
+    store: PersistedCheckpoints
     step: int
     world: int
     done: Callable[[str | None], None] = lambda error: None

@@ -51,9 +51,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from planaria.checkpoint.committer import Commit, Committer
+from planaria.checkpoint.persisted import PersistedCheckpoints
 from planaria.checkpoint.segment import Segment, SlotInfo, remove_segments
 from planaria.checkpoint.storage import build_storage
-from planaria.checkpoint.store import CheckpointStore
 from planaria.errors import PlanariaError
 from planaria.log import configure, get_logger
 from planaria.shm import remove_dir
@@ -80,7 +80,7 @@ class _Pending:
 class _Connection:
     sock: socket.socket
     segment: Segment | None = None
-    store: CheckpointStore | None = None
+    store: PersistedCheckpoints | None = None
     work: queue.Queue[_Pending | None] = field(default_factory=queue.Queue)
     outstanding: int = 0
     commits: set[int] = field(default_factory=set)
@@ -91,13 +91,13 @@ class _Connection:
 class Persister:
     def __init__(
         self,
-        store: CheckpointStore,
+        store: PersistedCheckpoints,
         events: TextIO | None = None,
         commit_timeout: float = 600.0,
     ) -> None:
         self.store = store
-        self._stores: dict[str, CheckpointStore] = {}
-        self._segment_stores: dict[str, CheckpointStore] = {}
+        self._stores: dict[str, PersistedCheckpoints] = {}
+        self._segment_stores: dict[str, PersistedCheckpoints] = {}
         self._stores_lock = threading.Lock()
         self.events = events
         self.commit_timeout = commit_timeout
@@ -181,14 +181,14 @@ class Persister:
         finally:
             conn.work.put(None)
 
-    def _store_for(self, path: str, spec: Any, keep_last: Any) -> CheckpointStore:
+    def _store_for(self, path: str, spec: Any, keep_last: Any) -> PersistedCheckpoints:
         with self._stores_lock:
             if spec is None:
                 return self._segment_stores.get(path, self.store)
             key = json.dumps([spec, keep_last], sort_keys=True)
             if key not in self._stores:
                 keep = int(keep_last) if keep_last is not None else self.store.keep_last
-                self._stores[key] = CheckpointStore(build_storage(spec), keep)
+                self._stores[key] = PersistedCheckpoints(build_storage(spec), keep)
             self._segment_stores[path] = self._stores[key]
             return self._stores[key]
 
@@ -391,7 +391,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"persister: bad storage: {exc}", file=sys.stderr)
         return 2
     events = os.fdopen(args.events_fd, "w", buffering=1) if args.events_fd >= 0 else None
-    persister = Persister(CheckpointStore(storage, args.keep_last), events, args.commit_timeout)
+    persister = Persister(
+        PersistedCheckpoints(storage, args.keep_last), events, args.commit_timeout
+    )
 
     with contextlib.suppress(FileNotFoundError):
         args.socket.unlink()

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from planaria.errors import StorageError
 from planaria.plugin.manager import PluginManager
 from planaria.plugin.records import PluginKind
-from planaria.storage import CheckpointStorage
+from planaria.storage.api import CheckpointStorage
 
 
 def build_storage(spec: dict[str, Any]) -> CheckpointStorage[Any]:

@@ -10,12 +10,12 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from planaria.checks.runner import run_checks
 from planaria.cli.app import EXIT_UNHEALTHY, ConfigOption, JsonOption, SetOption, app, load_job
 from planaria.cli.output import err, out, print_json, styled
 from planaria.config import ResolvedConfig
 from planaria.errors import ConfigError, ConfigIssue, PlanariaError
-from planaria.health import CheckContext, CheckResult, NodeHealth
+from planaria.health.api import CheckContext, CheckResult, NodeHealth
+from planaria.health.runner import run_checks
 from planaria.plugin.manager import PluginManager
 
 

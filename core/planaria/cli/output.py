@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from planaria.health import Status
+from planaria.health.api import Status
 
 # soft_wrap: a message is never broken at the terminal's width, so pipes and grep see it whole.
 out = Console(highlight=False, soft_wrap=True)

@@ -11,8 +11,8 @@ from planaria.cli.app import EXIT_USAGE, ConfigOption, JsonOption, app
 from planaria.cli.output import error, out, print_json
 from planaria.config import read
 from planaria.config.loader import disabled_plugins
-from planaria.diagnosis.classify import FaultPattern
 from planaria.errors import PluginError
+from planaria.fault_pattern.api import FaultPattern
 from planaria.plugin.manager import PluginManager, PluginStatus
 
 _STATUS_STYLE = {

@@ -36,7 +36,7 @@ from planaria.master.timeline import NO_STEPS, Summary
 from planaria.master.transport import transport
 from planaria.plugin.manager import PluginManager
 from planaria.protocol import MASTER_ENV, TOKEN_ENV, CheckpointSpec, JobSpec
-from planaria.scheduler import LaunchSpec
+from planaria.scheduler.api import LaunchSpec
 
 EVENT_STYLE = {
     EventKind.FAULT_DETECTED: "bold red",

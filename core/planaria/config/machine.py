@@ -16,7 +16,7 @@ from pathlib import Path
 from planaria.agent.program import find_program, parse_python_command
 from planaria.config.resolve import ResolvedConfig
 from planaria.errors import ConfigIssue
-from planaria.scheduler import Scheduler
+from planaria.scheduler.api import Scheduler
 
 
 def nodes_here(resolved: ResolvedConfig) -> bool:

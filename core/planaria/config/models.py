@@ -25,9 +25,9 @@ from pydantic import (
 )
 
 from planaria.chaos import ChaosRule
-from planaria.diagnosis.classify import FaultPattern
 from planaria.durations import Duration
 from planaria.errors import PluginError
+from planaria.fault_pattern.api import FaultPattern
 from planaria.plugin.records import PluginKind
 
 MAX_NODES = 100_000

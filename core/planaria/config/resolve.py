@@ -16,14 +16,14 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from planaria.checks.runner import ConfiguredCheck
 from planaria.config.errors import Loc, format_path, issues_from_validation, line_of
 from planaria.config.loader import RawConfig, disabled_plugins, read, validate
 from planaria.config.models import BackendSection, Config
 from planaria.errors import ConfigError, ConfigIssue, PluginError
+from planaria.health.runner import ConfiguredCheck
 from planaria.plugin.manager import PluginManager
 from planaria.plugin.records import HealthCheckRecord, PluginRecord, normalize_name
-from planaria.scheduler import Scheduler
+from planaria.scheduler.api import Scheduler
 
 # Backend sections outside diagnosis.checks, by where they sit.
 BACKEND_PATHS: tuple[tuple[str, ...], ...] = (

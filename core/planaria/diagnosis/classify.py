@@ -20,121 +20,18 @@ from __future__ import annotations
 import re
 import signal as _signal
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from enum import Enum
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
-
-class FaultClass(str, Enum):
-    NODE = "node"
-    TRANSIENT = "transient"
-    USER = "user"
-
-
-FaultKind = Literal["node", "transient", "user"]
-
-
-class FaultPattern(BaseModel):
-    """A regular expression over a failed worker's log tail, and what a match means::
-
-    FaultPattern(pattern=r"NVRM: Xid .*: 79\\b", kind="node", reason="GPU fell off the bus")
-
-    The expression is searched line by line (``re.MULTILINE``), case-sensitively unless it says
-    ``(?i)``. ``reason`` is what the timeline and the summary show; it defaults to the pattern.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    pattern: str = Field(min_length=1, description="a Python regular expression")
-    kind: FaultKind
-    reason: str = Field(default="", description="shown in the timeline; default: the pattern")
-
-    @field_validator("pattern")
-    @classmethod
-    def _compiles(cls, value: str) -> str:
-        try:
-            re.compile(value, re.MULTILINE)
-        except re.error as exc:
-            raise ValueError(f"invalid regular expression {value!r}: {exc}") from None
-        return value
-
-    @property
-    def label(self) -> str:
-        return self.reason or self.pattern
-
-
-def _p(pattern: str, kind: FaultKind, reason: str) -> FaultPattern:
-    return FaultPattern(pattern=pattern, kind=kind, reason=reason)
-
-
-# Hardware first: a device error shows up inside a Python traceback, and must not read as the
-# user's bug (a vendor plugin's patterns come earlier still, for the same reason). Then what
-# running out of memory, a lost peer or a flaky fabric looks like, which a restart cures.
-BUILTIN_PATTERNS: tuple[FaultPattern, ...] = (
-    _p(r"(?i)uncorrectable ECC error", "node", "uncorrectable ECC error"),
-    _p(r"\bOutOfMemoryError\b", "transient", "out of memory (torch.OutOfMemoryError)"),
-    _p(r"^MemoryError\b", "transient", "out of host memory (MemoryError)"),
-    _p(r"Watchdog caught collective operation timeout", "transient", "collective timed out"),
-    _p(r"(?i)gloo.*(?:Connection closed by peer|Connection reset by peer|Broken pipe|Timed out)"
-       r"|Connection closed by peer|Connection reset by peer", "transient",
-       "a peer was lost (its collective connection closed)"),
-)  # fmt: skip
+from planaria.fault_pattern.api import (
+    Classification,
+    FaultClass,
+    FaultPattern,
+    Rule,
+    first_match,
+)
+from planaria.fault_pattern.builtin import BUILTIN_PATTERNS
 
 _TRACEBACK = re.compile(r"^Traceback \(most recent call last\):", re.MULTILINE)
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*)(?:Error|Exception|Fault|Interrupt|Exit)\b.*$")
-
-
-@dataclass(frozen=True)
-class Classification:
-    """The verdict on one failed worker: its class, why, and the log line that said so."""
-
-    kind: FaultClass
-    reason: str
-    source: str
-    """``config``, ``plugin <name>``, ``builtin``, ``exit`` (the exit status alone),
-    ``start`` (the workers never started) or ``pattern`` (from :func:`match`)."""
-    line: str = ""
-
-    def describe(self) -> str:
-        return f"{self.kind.value} fault: {self.reason}"
-
-
-@dataclass(frozen=True)
-class _Rule:
-    regex: re.Pattern[str]
-    pattern: FaultPattern
-    source: str
-
-    @classmethod
-    def of(cls, pattern: FaultPattern, source: str) -> _Rule:
-        return cls(re.compile(pattern.pattern, re.MULTILINE), pattern, source)
-
-
-def _first_match(rules: Iterable[_Rule], log_tail: str) -> Classification | None:
-    for rule in rules:
-        found = rule.regex.search(log_tail)
-        if found is not None:
-            return Classification(
-                FaultClass(rule.pattern.kind),
-                rule.pattern.label,
-                rule.source,
-                _line_at(log_tail, found.start()),
-            )
-    return None
-
-
-def match(patterns: FaultPattern | Iterable[FaultPattern], text: str) -> Classification | None:
-    """The verdict of the first of ``patterns`` found in ``text`` (a log line or tail), as the
-    classifier would give it, or None: how a plugin tests its patterns on recorded messages::
-
-        verdict = match(planaria_fault_patterns(), "NVRM: Xid (PCI:0000:3b:00): 79, ...")
-        assert verdict is not None and verdict.kind is FaultClass.NODE
-    """
-    if isinstance(patterns, FaultPattern):
-        patterns = [patterns]
-    return _first_match([_Rule.of(p, "pattern") for p in patterns], text)
 
 
 class Classifier:
@@ -149,11 +46,11 @@ class Classifier:
         rules = [(p, "config") for p in config]
         rules += [(p, f"plugin {name}") for name, p in plugins]
         rules += [(p, "builtin") for p in builtin]
-        self._rules = [_Rule.of(p, s) for p, s in rules]
+        self._rules = [Rule.of(p, s) for p, s in rules]
 
     def match(self, log_tail: str) -> Classification | None:
         """The verdict of the first pattern found in ``log_tail``; None if none is."""
-        return _first_match(self._rules, log_tail)
+        return first_match(self._rules, log_tail)
 
     def classify(self, exitcode: int | None, signal: int | None, log_tail: str) -> Classification:
         matched = self.match(log_tail)
@@ -173,12 +70,6 @@ class Classifier:
             reason = f"Python exception: {last}" if last else "Python exception"
             return Classification(FaultClass.USER, reason, "exit", last)
         return Classification(FaultClass.TRANSIENT, f"exit code {exitcode}", "exit")
-
-
-def _line_at(text: str, index: int) -> str:
-    start = text.rfind("\n", 0, index) + 1
-    end = text.find("\n", index)
-    return text[start : end if end >= 0 else len(text)].strip()[:500]
 
 
 def _last_exception(text: str) -> str:

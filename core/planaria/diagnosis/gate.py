@@ -11,10 +11,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from planaria.checks.runner import ConfiguredCheck, run_checks
 from planaria.diagnosis.messages import CheckFailure, CheckSpec, DiagnosisSpec
 from planaria.errors import PluginError
-from planaria.health import CheckContext, NodeHealth
+from planaria.health.api import CheckContext, NodeHealth
+from planaria.health.runner import ConfiguredCheck, run_checks
 from planaria.plugin.manager import PluginManager
 from planaria.plugin.records import HealthCheckRecord, PluginKind
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from planaria.diagnosis.classify import Classification, FaultClass
 from planaria.diagnosis.messages import HangReport, HealthReport
 from planaria.diagnosis.policy import DiagnosisPolicy
 from planaria.diagnosis.stragglers import RankTimes, Straggler, StragglerDetector
 from planaria.events import EventKind
+from planaria.fault_pattern.api import Classification, FaultClass
 from planaria.log import get_logger
 from planaria.master.timeline import Fault, Summary
 from planaria.protocol import Heartbeat, WorkerFailure

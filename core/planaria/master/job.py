@@ -42,7 +42,7 @@ from planaria.protocol import (
     WorkerFailure,
     WorkersReport,
 )
-from planaria.scheduler import LaunchSpec, NodeEvent, NodeState, Scheduler
+from planaria.scheduler.api import LaunchSpec, NodeEvent, NodeState, Scheduler
 
 log = get_logger("master")
 

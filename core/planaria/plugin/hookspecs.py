@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from planaria.diagnosis.classify import FaultPattern
 from planaria.events import JobEvent
+from planaria.fault_pattern.api import FaultPattern
 from planaria.plugin import hookspec
 from planaria.plugin.records import (
     CheckpointStorageRecord,
@@ -104,7 +104,7 @@ class PlanariaSpecs:
         """Register log patterns that classify a failed worker (``node``, ``transient`` or
         ``user``), checked after the job's ``diagnosis.fault_patterns`` and before the
         core's vendor-neutral ones. A chip vendor knows its driver's messages; it tests them
-        with :func:`planaria.diagnosis.classify.match`.
+        with :func:`planaria.fault_pattern.api.match`.
 
         Example::
 

@@ -20,13 +20,13 @@ from typing import Any
 import pluggy
 from pydantic import BaseModel, ValidationError
 
-from planaria.diagnosis.classify import FaultPattern
 from planaria.errors import (
     DuplicatePluginError,
     PluginLoadError,
     PluginNotFoundError,
 )
 from planaria.events import JobEvent
+from planaria.fault_pattern.api import FaultPattern
 from planaria.log import get_logger
 from planaria.plugin import ENTRY_POINT_GROUP, PROJECT_NAME, hookspecs
 from planaria.plugin.records import (

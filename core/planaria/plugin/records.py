@@ -3,7 +3,7 @@
 A record names an implementation class, the pydantic model that validates its config section
 (``options``), and a one-line summary. Names are normalised (lower case, ``-`` becomes ``_``),
 so ``custom-script`` and ``custom_script`` are the same name. Fault patterns are the one kind
-whose records (:class:`~planaria.diagnosis.classify.FaultPattern`) have no name or factory: no
+whose records (:class:`~planaria.fault_pattern.api.FaultPattern`) have no name or factory: no
 config selects them, every one installed classifies.
 """
 
@@ -15,12 +15,12 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from planaria.benchmark import NodeBenchmark
-from planaria.diagnosis.classify import FaultPattern
-from planaria.health import HealthCheck
+from planaria.fault_pattern.api import FaultPattern
+from planaria.health.api import HealthCheck
+from planaria.node_benchmark.api import NodeBenchmark
 from planaria.rendezvous import RendezvousHandler
-from planaria.scheduler import Scheduler
-from planaria.storage import CheckpointStorage
+from planaria.scheduler.api import Scheduler
+from planaria.storage.api import CheckpointStorage
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 

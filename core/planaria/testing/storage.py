@@ -55,7 +55,7 @@ import pytest
 from pydantic import BaseModel
 
 from planaria.errors import StorageError
-from planaria.storage import CheckpointStorage
+from planaria.storage.api import CheckpointStorage
 
 StorageFactorySpec = tuple[str, dict[str, Any]]
 """``("package.module:Class", options)``: how to rebuild a storage in another process."""

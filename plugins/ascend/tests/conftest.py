@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from planaria.health import CheckContext
+from planaria.health.api import CheckContext
 
 FIXTURES = Path(__file__).parent / "fixtures"
 NPU_SMI = FIXTURES / "npu-smi"

@@ -10,7 +10,7 @@ import pytest
 from conftest import FakeNpuSmi, calls
 
 from planaria.errors import HealthCheckError
-from planaria.health import CheckContext, DeviceResult, Status
+from planaria.health.api import CheckContext, DeviceResult, Status
 from planaria_ascend import AscendCheck, AscendOptions
 
 

@@ -91,7 +91,7 @@ def test_planaria_check_says_not_applicable(tmp_path: Path) -> None:
 
 
 def test_hccl_errors_are_transient() -> None:
-    from planaria.diagnosis.classify import FaultClass, match
+    from planaria.fault_pattern.api import FaultClass, match
 
     line = "RuntimeError: HCCL function error: hcclAllReduce(...), error code is 7"
     verdict = match(plugin.planaria_fault_patterns(), line)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import FakeNpuSmi
 
-from planaria.health import CheckContext, Status
+from planaria.health.api import CheckContext, Status
 from planaria_ascend import AscendCheck, AscendOptions
 from planaria_ascend.commands import Runner
 from planaria_ascend.torch_probe import probe

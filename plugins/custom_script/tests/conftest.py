@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from custom_script_helpers import MakeScript
 
-from planaria.health import CheckContext
+from planaria.health.api import CheckContext
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from planaria.health import CheckContext, DeviceResult
+from planaria.health.api import CheckContext, DeviceResult
 from planaria_custom_script import CustomScriptCheck, CustomScriptOptions
 
 MakeScript = Callable[..., Path]

@@ -9,7 +9,7 @@ import pytest
 from custom_script_helpers import MakeScript, run_script
 
 from planaria.errors import HealthCheckError
-from planaria.health import CheckContext, DeviceResult, Status
+from planaria.health.api import CheckContext, DeviceResult, Status
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "check_example.py"
 

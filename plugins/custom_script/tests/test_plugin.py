@@ -7,9 +7,9 @@ from pathlib import Path
 
 from custom_script_helpers import MakeScript, read_pids, wait_dead
 
-from planaria.checks.host import HostCheck, HostOptions
-from planaria.checks.runner import ConfiguredCheck, run_checks
-from planaria.health import CheckContext, Status
+from planaria.health.api import CheckContext, Status
+from planaria.health.host import HostCheck, HostOptions
+from planaria.health.runner import ConfiguredCheck, run_checks
 from planaria.plugin.manager import PluginManager
 from planaria.plugin.records import HealthCheckRecord, PluginKind
 from planaria_custom_script import CustomScriptCheck, CustomScriptOptions, plugin

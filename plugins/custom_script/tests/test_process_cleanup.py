@@ -21,7 +21,7 @@ from custom_script_helpers import (
 )
 
 from planaria.errors import HealthCheckError
-from planaria.health import CheckContext, DeviceResult, Status
+from planaria.health.api import CheckContext, DeviceResult, Status
 from planaria_custom_script import process_group
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

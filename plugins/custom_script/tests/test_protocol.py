@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from planaria.errors import HealthCheckError
-from planaria.health import DeviceResult, Status
+from planaria.health.api import DeviceResult, Status
 from planaria_custom_script.protocol import BadLine, parse_line, parse_stdout, verdict
 
 SCRIPT = Path("/opt/site/check_chip.sh")

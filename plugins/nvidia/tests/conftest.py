@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from fake_nvml import FakeNvml
 
-from planaria.health import CheckContext, DeviceResult
+from planaria.health.api import CheckContext, DeviceResult
 from planaria_nvidia import NvidiaCheck, NvidiaOptions
 from planaria_nvidia.session import NvmlSession
 

@@ -8,7 +8,7 @@ from conftest import RunFake
 from fake_nvml import FakeNvml
 
 from planaria.errors import HealthCheckError
-from planaria.health import CheckContext, Status
+from planaria.health.api import CheckContext, Status
 from planaria_nvidia import NvidiaCheck, NvidiaOptions
 from planaria_nvidia.session import NvmlSession
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from planaria.diagnosis.classify import Classifier, FaultClass, match
+from planaria.diagnosis.classify import Classifier
+from planaria.fault_pattern.api import FaultClass, match
 from planaria.plugin.manager import PluginManager
 from planaria_nvidia import plugin
 from planaria_nvidia.xids import DEFAULT_FATAL

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pynvml
 import pytest
 
-from planaria.health import CheckContext, Status
+from planaria.health.api import CheckContext, Status
 from planaria_nvidia import NvidiaCheck, NvidiaOptions
 from planaria_nvidia.nvml import Pynvml
 from planaria_nvidia.session import NvmlSession, default_session

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from planaria.diagnosis.classify import FaultPattern
+from planaria.fault_pattern.api import FaultPattern
 from planaria.plugin import hookimpl
 from planaria.plugin.records import HealthCheckRecord
 from planaria_ascend.check import AscendCheck

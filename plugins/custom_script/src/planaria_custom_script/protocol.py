@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from planaria.errors import HealthCheckError
-from planaria.health import DeviceResult, Status
+from planaria.health.api import DeviceResult, Status
 
 STATUSES: dict[str, Status] = {
     "ok": Status.OK,

@@ -29,8 +29,8 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractFileSystem
 
 from planaria.errors import StorageError
-from planaria.storage import CheckpointStorage
-from planaria.storages.local import LocalStorage, LocalStorageOptions
+from planaria.storage.api import CheckpointStorage
+from planaria.storage.local import LocalStorage, LocalStorageOptions
 from planaria_fsspec.keys import RESERVED, split_key
 from planaria_fsspec.options import FsspecStorageOptions
 from planaria_fsspec.retry import Retrier, is_transient, log

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import planaria
 from planaria.errors import HealthCheckError
-from planaria.health import DeviceResult, HealthCheck, Status
+from planaria.health.api import DeviceResult, HealthCheck, Status
 from planaria.plugin.records import HealthCheckRecord
 
 

@@ -15,7 +15,14 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from planaria.errors import HealthCheckError
-from planaria.health import CheckContext, CheckResult, DeviceResult, HealthCheck, NodeHealth, Status
+from planaria.health.api import (
+    CheckContext,
+    CheckResult,
+    DeviceResult,
+    HealthCheck,
+    NodeHealth,
+    Status,
+)
 from planaria.log import get_logger
 from planaria.plugin.records import HealthCheckRecord
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planaria.benchmark import BenchmarkContext, BenchmarkResult, NodeBenchmark
+from planaria.node_benchmark.api import BenchmarkContext, BenchmarkResult, NodeBenchmark
 from planaria.plugin import hookimpl
 from planaria.plugin.records import NodeBenchmarkRecord
 

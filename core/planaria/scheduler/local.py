@@ -53,7 +53,7 @@ from planaria.errors import ConfigIssue, SchedulerError
 from planaria.log import get_logger
 from planaria.plugin import hookimpl
 from planaria.plugin.records import SchedulerRecord
-from planaria.scheduler import LaunchSpec, NodeEvent, NodeHandle, NodeState, Scheduler
+from planaria.scheduler.api import LaunchSpec, NodeEvent, NodeHandle, NodeState, Scheduler
 from planaria.shm import node_dir, remove_dir
 
 log = get_logger("scheduler.local")

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from planaria.errors import StorageError
 from planaria.plugin import hookimpl
 from planaria.plugin.records import CheckpointStorageRecord
-from planaria.storage import CheckpointStorage, split_key
+from planaria.storage.api import CheckpointStorage, split_key
 
 _TMP_PREFIX = ".planaria-tmp-"
 _AT_FDCWD = -100

@@ -1,6 +1,6 @@
 """The child process in which an agent runs one pre-flight benchmark.
 
-``python -m planaria.diagnosis.bench_child PARENT_PID`` reads a :class:`BenchmarkRun` on stdin,
+``python -m planaria.node_benchmark.child PARENT_PID`` reads a :class:`BenchmarkRun` on stdin,
 binds the benchmark to this node's installed plugins, runs it and prints the result on one
 stdout line that starts with :data:`MARKER`. A benchmark that raises exits 1 with its traceback
 on stderr. The agent kills the process when it overruns its timeout; the process also dies with
@@ -13,9 +13,9 @@ import sys
 import time
 from typing import Any
 
-from planaria.benchmark import BenchmarkContext, NodeBenchmark
 from planaria.chaos import InjectedFault
 from planaria.diagnosis.messages import BenchmarkRun
+from planaria.node_benchmark.api import BenchmarkContext, NodeBenchmark
 from planaria.plugin.manager import PluginManager
 from planaria.plugin.records import NodeBenchmarkRecord, PluginKind
 

@@ -18,7 +18,7 @@ a malformed one is a step that does not verify, whatever is wrong in it.
 
 A rank whose shard cannot be written leaves ``step-N.partial/rank-R.failed`` (empty: it fits on
 a full disk), so that the persister committing the step gives up at once instead of waiting.
-Retention keeps the newest ``keep_last`` steps that verify (see :meth:`CheckpointStore.retain`).
+Retention keeps the newest ``keep_last`` steps that verify (:meth:`PersistedCheckpoints.retain`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from planaria.errors import CheckpointCorruptError, StorageError
 from planaria.log import get_logger
-from planaria.storage import CheckpointStorage
+from planaria.storage.api import CheckpointStorage
 
 log = get_logger("checkpoint")
 
@@ -162,7 +162,7 @@ def _chunks(view: memoryview, size: int = 64 << 20) -> Iterator[memoryview]:
         yield view[start : start + size]
 
 
-class CheckpointStore:
+class PersistedCheckpoints:
     """Writes, commits, lists and verifies flash checkpoints on one storage target."""
 
     def __init__(self, storage: AnyStorage, keep_last: int = 3) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
-from planaria.health import DeviceResult, HealthCheck, Status
+from planaria.health.api import DeviceResult, HealthCheck, Status
 from planaria.plugin import hookimpl
 from planaria.plugin.records import HealthCheckRecord
 

@@ -1,1 +1,0 @@
-"""The built-in node benchmarks (registered through the ``planaria`` entry-point group)."""

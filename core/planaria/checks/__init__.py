@@ -1,1 +1,0 @@
-"""Built-in health checks and the runner that isolates them."""

@@ -1,0 +1,1 @@
+"""Fault patterns: the record (``api``) and the core's vendor-neutral patterns (``builtin``)."""

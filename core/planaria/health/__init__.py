@@ -1,0 +1,1 @@
+"""Health checks: the interface (``api``), the built-in host check and the isolating runner."""

@@ -1,0 +1,1 @@
+"""Schedulers: the interface (``api``) and the built-in local scheduler."""

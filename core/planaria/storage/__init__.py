@@ -1,0 +1,1 @@
+"""Checkpoint storage targets: the interface (``api``) and the built-in local filesystem."""
