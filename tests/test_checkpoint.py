@@ -23,8 +23,7 @@ from planaria.checkpoint.persisted import PersistedCheckpoints  # noqa: E402
 from planaria.checkpoint.segment import Segment  # noqa: E402
 from planaria.errors import StorageError  # noqa: E402
 from planaria.master.restore import agree  # noqa: E402
-from planaria.protocol import MemoryHolding  # noqa: E402
-from planaria.rendezvous import RendezvousInfo  # noqa: E402
+from planaria.protocol import MemoryHolding, RendezvousInfo  # noqa: E402
 from planaria.storage.local import LocalStorage, LocalStorageOptions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,10 +11,10 @@ import pytest
 from pydantic import ValidationError
 
 from planaria.errors import HealthCheckError
-from planaria.health.api import CheckContext, DeviceResult, HealthCheck, Status
+from planaria.health.api import CheckContext, DeviceResult, HealthCheck, HealthCheckRecord, Status
 from planaria.health.host import HostCheck, HostOptions, available_memory_bytes
 from planaria.health.runner import ConfiguredCheck, run_checks
-from planaria.plugin.records import HealthCheckRecord, NoOptions
+from planaria.plugin.records import NoOptions
 
 
 def context(tmp_path: Path) -> CheckContext:

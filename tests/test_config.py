@@ -100,7 +100,7 @@ def test_defaults_only(tmp_path):
     assert [c.name for c in resolved.checks] == ["host"]
     # Built-in defaults resolve, the default storage included.
     assert resolved.backends["scheduler"].record.name == "local"
-    assert resolved.backends["rendezvous"].record.name == "master"
+    assert "rendezvous" not in resolved.backends  # the master forms rounds: no plugin
     storage = resolved.backends["checkpoint.storage"]
     assert storage.record.name == "local"
     assert storage.record.factory is LocalStorage
@@ -159,6 +159,7 @@ BAD = [
         "pip install planaria-fsspec",
     ),
     ("rendezvous: {join_grace: soon}", "rendezvous.join_grace", "invalid duration"),
+    ("rendezvous: {backend: etcd}", "rendezvous", "rounds are formed by the job master"),
     ("checkpoint: {keep_last: 0}", "checkpoint.keep_last", "greater than or equal to 1"),
     ("plugins: {disable: host}", "plugins.disable", "valid list"),
     ("logging: {format: xml}", "logging.format", "'console' or 'json'"),
@@ -264,8 +265,8 @@ def test_a_plugins_options_keep_their_schema_name_whatever_else_is_installed():
     from pydantic import BaseModel, ConfigDict
 
     import planaria
+    from planaria.health.api import HealthCheckRecord
     from planaria.health.host import HostCheck
-    from planaria.plugin.records import HealthCheckRecord
 
     class HostOptions(BaseModel):  # the same class name as the built-in host check's
         model_config = ConfigDict(extra="forbid")

@@ -18,9 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
-from planaria.health.api import CheckContext, Status
+from planaria.health.api import CheckContext, HealthCheckRecord, Status
 from planaria.health.runner import ConfiguredCheck, run_checks
-from planaria.plugin.records import HealthCheckRecord
 
 EXAMPLE = Path(__file__).parent / "example_plugin"
 DISTRIBUTION = "planaria-example-loadavg"

@@ -8,10 +8,9 @@ import pytest
 
 from planaria.diagnosis.classify import BUILTIN_PATTERNS, Classifier
 from planaria.fault_pattern.api import FaultClass, FaultPattern, match
-from planaria.health.api import HealthCheck
+from planaria.health.api import HealthCheck, HealthCheckRecord
 from planaria.plugin import hookimpl
 from planaria.plugin.manager import PluginManager, PluginStatus
-from planaria.plugin.records import HealthCheckRecord
 
 HBM = "fatal: MYCHIP-E42 on hbm3 (stack 2)"
 

@@ -14,9 +14,9 @@ from planaria.errors import (
     PluginNotFoundError,
 )
 from planaria.events import EventKind, JobEvent
-from planaria.health.api import HealthCheck
+from planaria.health.api import HealthCheck, HealthCheckRecord
 from planaria.plugin.manager import PluginManager, PluginStatus
-from planaria.plugin.records import HealthCheckRecord, NoOptions, PluginKind
+from planaria.plugin.records import NoOptions, PluginKind
 
 
 def test_builtin_host_check_registers_through_the_entry_point_group(plugin_path):

@@ -24,9 +24,9 @@ from planaria.diagnosis.preflight import (
     suspects_of,
 )
 from planaria.errors import ConfigError
-from planaria.node_benchmark.api import BenchmarkContext
+from planaria.node_benchmark.api import BenchmarkContext, NodeBenchmarkRecord
 from planaria.plugin.manager import PluginManager
-from planaria.plugin.records import NodeBenchmarkRecord, PluginKind
+from planaria.plugin.records import PluginKind
 
 
 def ok(node: str, ms: float) -> Outcome:

@@ -11,7 +11,8 @@ from pydantic import ValidationError
 
 from planaria.errors import StorageError
 from planaria.plugin.manager import PluginManager
-from planaria.plugin.records import CheckpointStorageRecord, PluginKind
+from planaria.plugin.records import PluginKind
+from planaria.storage.api import CheckpointStorageRecord
 from planaria.storage.local import LocalStorage, LocalStorageOptions
 from planaria.testing import StorageConformance, StorageFactorySpec, build_storage
 

@@ -45,6 +45,11 @@ class PluginError(PlanariaError):
     """A plugin could not be found, loaded or used."""
 
 
+class PluginOptionsError(ConfigError, PluginError):
+    """A plugin's options do not validate against its ``Options`` model: every problem, each
+    under its config path (``checkpoint.storage.options.path``), as a config file's are."""
+
+
 class PluginNotFoundError(PluginError):
     """A configured name matches no installed plugin record."""
 

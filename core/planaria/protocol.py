@@ -12,7 +12,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from planaria.chaos import ChaosRule
 from planaria.diagnosis.messages import DiagnosisSpec
-from planaria.rendezvous import RendezvousInfo
 
 API_PREFIX = "/v1"
 TOKEN_ENV = "PLANARIA_TOKEN"
@@ -80,6 +79,19 @@ class MemoryHolding(Message):
     steps: list[int]
 
 
+class RendezvousInfo(Message):
+    """What a node gets when a round closes: enough to set torch.distributed's environment."""
+
+    round: int
+    node_rank: int
+    num_nodes: int
+    rank_offset: int
+    """Global rank of this node's local rank 0."""
+    world_size: int
+    master_addr: str
+    master_port: int
+
+
 class JoinRequest(Message):
     node_id: str
     addr: str
@@ -92,16 +104,27 @@ class JoinRequest(Message):
     """Flash-checkpoint steps held in this node's shared memory."""
 
 
-class JoinReply(Message):
-    state: Literal["ready", "wait", "exit"]
-    info: RendezvousInfo | None = None
+class RoundDirectives(Message):
+    """What the master tells a node's workers about the round they start: apart from the
+    round's world, since they are the master's decisions, not the rendezvous's."""
+
     restart_count: int = 0
-    reason: str = ""
+    """Restarts of the job so far (``TORCHELASTIC_RESTART_COUNT``)."""
     restore: str = "storage"
     """Where workers restore from this round: ``memory:<step>`` when every rank holds that
     step in memory, else ``storage``."""
     persist_step: int | None = None
     """Persist this step from memory before training resumes (``persist_on_fault``)."""
+
+
+class JoinReply(Message):
+    """``wait`` (ask again), ``exit`` (the job is over: ``reason``) or ``ready``: the round
+    closed with this node in it (``info``) and the master's ``directives`` for it."""
+
+    state: Literal["ready", "wait", "exit"]
+    info: RendezvousInfo | None = None
+    directives: RoundDirectives = Field(default_factory=RoundDirectives)
+    reason: str = ""
 
 
 class CheckpointEvent(Message):

@@ -33,7 +33,7 @@ from planaria.chaos import ChaosRule, worker_rules_env
 from planaria.diagnosis.gate import check_node
 from planaria.diagnosis.messages import HangReport, HealthReport
 from planaria.diagnosis.watch import NodeWatch
-from planaria.errors import PlanariaError, RendezvousClosedError
+from planaria.errors import PlanariaError
 from planaria.log import bind, get_logger
 from planaria.master.transport import is_loopback
 from planaria.progress import ENV as PROGRESS_ENV
@@ -46,13 +46,15 @@ from planaria.protocol import (
     Heartbeat,
     HeartbeatReply,
     JobSpec,
+    JoinReply,
+    JoinRequest,
     RegisterReply,
     RegisterRequest,
+    RendezvousInfo,
+    RoundDirectives,
     WorkerFailure,
     WorkersReport,
 )
-from planaria.rdzv.master import MasterRendezvous, MasterRendezvousOptions
-from planaria.rendezvous import NodeInfo, RendezvousInfo
 from planaria.shm import UnsafePathError, make_private_dir, node_dir, remove_dir
 
 log = get_logger("agent")
@@ -144,13 +146,6 @@ class Agent:
             spec.command, Path(spec.workdir), base_env, spec.preload, spec.stop_grace
         )
         warming = asyncio.ensure_future(launcher.start())
-        self.rdzv = MasterRendezvous(
-            MasterRendezvousOptions(),
-            min_nodes=1,
-            max_nodes=1,
-            url=self.client.url,
-            token=self.client.token,
-        )
         checked = not spec.diagnosis.preflight
         try:
             while True:
@@ -162,11 +157,11 @@ class Agent:
                         self.client, self.node_id, self.host, self.addr, free_port, spec.chaos
                     ):
                         return 0
-                info = await self._join()
-                if info is None:
+                joined = await self._join()
+                if joined is None or joined.info is None:
                     return 0
                 await warming
-                action = await self._run_round(launcher, info, base_env)
+                action = await self._run_round(launcher, joined.info, joined.directives, base_env)
                 if action.kind == "exit":
                     return 0
         finally:
@@ -193,23 +188,34 @@ class Agent:
         await self.client.call("/health", report, Ack)
         return False
 
-    async def _join(self) -> RendezvousInfo | None:
+    async def _join(self) -> JoinReply | None:
+        """Join the next round and wait for it to close, through the same client (and the
+        same retries through a short master outage) as every other call to the master."""
         last = max((p.step for p in self.board.read_all()), default=-1)
         memory = self.checkpoints.holdings(self.spec.procs_per_node) if self.checkpoints else []
-        self.rdzv.offer(self.addr, free_port(self.addr), last, memory)
-        node = NodeInfo(
-            node_id=self.node_id, host=self.host, local_world_size=self.spec.procs_per_node
+        request = JoinRequest(
+            node_id=self.node_id,
+            addr=self.addr,
+            port=free_port(self.addr),
+            last_step=last,
+            memory=memory,
         )
-        try:
-            return await asyncio.to_thread(self.rdzv.next_rendezvous, node, 1e9)
-        except RendezvousClosedError as exc:
-            log.info("rendezvous closed; exiting", reason=str(exc))
-            return None
+        while True:
+            reply = await self.client.call("/rendezvous/join", request, JoinReply)
+            if reply.state == "exit":
+                log.info("the job is over; exiting", reason=reply.reason)
+                return None
+            if reply.state == "ready" and reply.info is not None:
+                return reply
 
     async def _run_round(
-        self, launcher: WorkerLauncher, info: RendezvousInfo, base_env: dict[str, str]
+        self,
+        launcher: WorkerLauncher,
+        info: RendezvousInfo,
+        directives: RoundDirectives,
+        base_env: dict[str, str],
     ) -> Action:
-        spec, restart_count = self.spec, self.rdzv.restart_count
+        spec, restart_count = self.spec, directives.restart_count
         self.board.reset()
         extra = {
             **base_env,
@@ -219,9 +225,9 @@ class Agent:
         }
         logs = Path(spec.run_dir) / "logs"
         checkpoints = self.checkpoints
-        if checkpoints is not None and self.rdzv.persist_step is not None:
+        if checkpoints is not None and directives.persist_step is not None:
             # Persist at fault: pin the agreed step before workers can save over it.
-            step = self.rdzv.persist_step
+            step = directives.persist_step
             errors = await checkpoints.persist(step, list(range(spec.procs_per_node)), 30.0)
             for error in errors:
                 log.warning("cannot persist step at fault", step=step, error=error)
@@ -230,7 +236,7 @@ class Agent:
                 local_rank=lr,
                 env={
                     **worker_env(spec, info, lr, restart_count, extra),
-                    **(checkpoints.worker_env(lr, self.rdzv.restore) if checkpoints else {}),
+                    **(checkpoints.worker_env(lr, directives.restore) if checkpoints else {}),
                 },
                 log_path=logs / f"rank-{info.rank_offset + lr}.log",
             )

@@ -32,7 +32,6 @@ from planaria.checkpoint.layout import Layout, TensorEntry, dtype_of, plan, rebu
 from planaria.checkpoint.persisted import Manifest, PersistedCheckpoints, ShardRecord
 from planaria.checkpoint.persister import SOCKET_DIR_PREFIX
 from planaria.checkpoint.segment import SHM_DIR, Segment, SegmentError
-from planaria.checkpoint.storage import build_storage
 from planaria.errors import CheckpointCorruptError, CheckpointRestoreError, StorageError
 from planaria.log import get_logger
 from planaria.shm import make_temp_dir, remove_dir
@@ -146,7 +145,7 @@ class Checkpointer:
     @property
     def store(self) -> PersistedCheckpoints:
         if self._store is None:
-            self._store = PersistedCheckpoints(build_storage(self.spec), self.keep_last)
+            self._store = PersistedCheckpoints.open(self.spec, self.keep_last)
         return self._store
 
     # -- saving --------------------------------------------------------------------------------

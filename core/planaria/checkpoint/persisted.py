@@ -36,6 +36,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from planaria.errors import CheckpointCorruptError, StorageError
 from planaria.log import get_logger
+from planaria.plugin.manager import PluginManager
+from planaria.plugin.records import PluginKind
 from planaria.storage.api import CheckpointStorage
 
 log = get_logger("checkpoint")
@@ -170,6 +172,16 @@ class PersistedCheckpoints:
         self.keep_last = keep_last
         self.rejected: set[int] = set()
         """Steps a verified read rejected (:meth:`reject`)."""
+
+    @classmethod
+    def open(cls, spec: dict[str, Any], keep_last: int = 3) -> PersistedCheckpoints:
+        """On the storage ``spec`` selects (``{"backend": "local", "options": {"path": ...}}``,
+        plus, when the master made it, the ``plugin`` that provides the backend and the job's
+        ``disable`` list): only that plugin is imported."""
+        disable = spec.get("disable", []) if isinstance(spec, dict) else []
+        manager = PluginManager.for_spec(spec, disable=disable)
+        storage = manager.build(PluginKind.CHECKPOINT_STORAGE, spec, path="checkpoint.storage")
+        return cls(storage, keep_last)
 
     # -- writing (the persister) ---------------------------------------------------------------
 

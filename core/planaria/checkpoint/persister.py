@@ -53,7 +53,6 @@ from typing import Any, TextIO
 from planaria.checkpoint.committer import Commit, Committer
 from planaria.checkpoint.persisted import PersistedCheckpoints
 from planaria.checkpoint.segment import Segment, SlotInfo, remove_segments
-from planaria.checkpoint.storage import build_storage
 from planaria.errors import PlanariaError
 from planaria.log import configure, get_logger
 from planaria.shm import remove_dir
@@ -188,7 +187,7 @@ class Persister:
             key = json.dumps([spec, keep_last], sort_keys=True)
             if key not in self._stores:
                 keep = int(keep_last) if keep_last is not None else self.store.keep_last
-                self._stores[key] = PersistedCheckpoints(build_storage(spec), keep)
+                self._stores[key] = PersistedCheckpoints.open(spec, keep)
             self._segment_stores[path] = self._stores[key]
             return self._stores[key]
 
@@ -386,14 +385,12 @@ def main(argv: list[str] | None = None) -> int:
     configure(stream=sys.stderr)
 
     try:
-        storage = build_storage(json.loads(args.storage))
+        store = PersistedCheckpoints.open(json.loads(args.storage), args.keep_last)
     except (ValueError, PlanariaError) as exc:
         print(f"persister: bad storage: {exc}", file=sys.stderr)
         return 2
     events = os.fdopen(args.events_fd, "w", buffering=1) if args.events_fd >= 0 else None
-    persister = Persister(
-        PersistedCheckpoints(storage, args.keep_last), events, args.commit_timeout
-    )
+    persister = Persister(store, events, args.commit_timeout)
 
     with contextlib.suppress(FileNotFoundError):
         args.socket.unlink()

@@ -11,7 +11,7 @@ import shutil
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from aiohttp import web
@@ -35,8 +35,9 @@ from planaria.master.server import ServerLimits, make_app, serve
 from planaria.master.timeline import NO_STEPS, Summary
 from planaria.master.transport import transport
 from planaria.plugin.manager import PluginManager
+from planaria.plugin.records import PluginKind
 from planaria.protocol import MASTER_ENV, TOKEN_ENV, CheckpointSpec, JobSpec
-from planaria.scheduler.api import LaunchSpec
+from planaria.scheduler.api import LaunchSpec, Scheduler
 
 EVENT_STYLE = {
     EventKind.FAULT_DETECTED: "bold red",
@@ -73,12 +74,6 @@ def _prepare(
         )
     issues += preflight_issues(resolved)
     issues += machine_issues(resolved)
-    if resolved.config.rendezvous.backend != "master":
-        issues.append(
-            ConfigIssue(
-                "rendezvous.backend", "planaria run forms rounds in its master: use 'master'"
-            )
-        )
     if issues:
         raise ConfigError(issues, raw.source)
     return resolved, manager
@@ -249,7 +244,12 @@ def _checkpoint_spec(resolved: ResolvedConfig, run_dir: Path) -> CheckpointSpec:
     if storage.record.name == "local" and not Path(options["path"]).expanduser().is_absolute():
         options["path"] = str(run_dir / options["path"])
     return CheckpointSpec(
-        storage={"backend": storage.record.name, "options": options},
+        storage={
+            "backend": storage.record.name,
+            "options": options,
+            "plugin": storage.plugin,
+            "disable": list(resolved.config.plugins.disable),
+        },
         keep_last=section.keep_last,
         persist_every=section.persist_every,
         persist_on_fault=section.persist_on_fault,
@@ -286,8 +286,12 @@ async def _run(
     job = config.job
     run_id, run_dir = _run_dir(resolved)
     token = secrets.token_urlsafe(32)
-    scheduler_backend = resolved.backends["scheduler"]
-    scheduler = scheduler_backend.record.factory(scheduler_backend.options)
+    chosen = resolved.backends["scheduler"]
+    scheduler: Scheduler[Any] = manager.build(
+        PluginKind.SCHEDULER,
+        {"backend": chosen.record.name, "options": chosen.options},
+        path="scheduler",
+    )
     spec = JobSpec(
         job=job.name,
         run_id=run_id,

@@ -15,10 +15,9 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from planaria.config.errors import Loc, format_path, issues_from_validation
-from planaria.config.models import Config
+from planaria.config.models import Config, backend_sections
 from planaria.errors import ConfigError, ConfigIssue, PlanariaError
 from planaria.plugin.manager import PluginManager
-from planaria.plugin.records import PluginKind
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -324,13 +323,7 @@ def validate(raw: RawConfig, manager: PluginManager | None = None) -> Config:
         raise ConfigError(issues, raw.source) from None
 
 
-_KIND_AT = {
-    ("scheduler",): PluginKind.SCHEDULER,
-    ("rendezvous",): PluginKind.RENDEZVOUS_BACKEND,
-    ("checkpoint", "storage"): PluginKind.CHECKPOINT_STORAGE,
-    ("diagnosis", "checks"): PluginKind.HEALTH_CHECK,
-    ("diagnosis", "preflight_benchmark"): PluginKind.NODE_BENCHMARK,
-}
+_KIND_AT = {path: section.kind for path, section in backend_sections()}
 
 
 def read(path: str | Path | None, overrides: list[str] | None = None) -> RawConfig:

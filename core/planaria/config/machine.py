@@ -2,7 +2,7 @@
 in, and, where the nodes are this machine, the program it runs.
 
 The schema cannot know these: they depend on the files here. Where a scheduler's nodes are
-other machines (:attr:`planaria.scheduler.Scheduler.nodes_here` false), the program may exist
+other machines (:attr:`planaria.scheduler.api.Scheduler.nodes_here` false), the program may exist
 only there (a container image, a module loaded on the nodes), so it is not looked for here; a
 worker that cannot start there is reported by its agent with the system's reason, and the job
 stops.

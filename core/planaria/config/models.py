@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import re
 import shlex
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -274,13 +275,26 @@ class SchedulerSection(BackendSection):
     backend: str = Field(default="local", min_length=1)
 
 
-class RendezvousSection(BackendSection):
-    kind: ClassVar[PluginKind] = PluginKind.RENDEZVOUS_BACKEND
-    backend: str = Field(default="master", min_length=1)
+class RendezvousSection(Section):
+    """How the master forms rounds. Rendezvous is the master's own work, not a plugin: its
+    exclusions, rank keeping and restore decisions need every join to pass through it."""
+
     join_timeout: Duration = Field(default=300.0, description="how long a round may wait")
     join_grace: Duration = Field(
         default=10.0, description="once min nodes joined, close when nobody came for this long"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_backend(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "backend" in value:
+            if value["backend"] != "master":
+                raise ValueError(
+                    f"backend {value['backend']!r}: rounds are formed by the job master, the "
+                    "one backend there is; remove rendezvous.backend"
+                )
+            value = {k: v for k, v in value.items() if k != "backend"}
+        return value
 
 
 class CheckSection(BackendSection):
@@ -443,3 +457,18 @@ class Config(Section):
     chaos: list[ChaosRule] = Field(
         default_factory=list, description="faults to inject, to rehearse recovery"
     )
+
+
+def backend_sections(
+    model: type[BaseModel] = Config, at: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], type[BackendSection]]]:
+    """Every section of the file that selects a plugin, by where it sits: the one map from a
+    config path (``("checkpoint", "storage")``; a list's items share its path) to the
+    section's model, and through ``kind``, to its plugin kind."""
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        item = get_args(annotation)[0] if get_origin(annotation) is list else annotation
+        if isinstance(item, type) and issubclass(item, BackendSection):
+            yield (*at, name), item
+        elif isinstance(item, type) and issubclass(item, Section):
+            yield from backend_sections(item, (*at, name))

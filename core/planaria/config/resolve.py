@@ -2,7 +2,7 @@
 
 Sections the file spelled out were resolved during validation (:func:`.loader.validate`).
 Sections left at their defaults are resolved here: a default health check must be installed,
-a default scheduler, rendezvous or storage only matters to a command that uses it, so one that
+a default scheduler or storage only matters to a command that uses it, so one that
 is not installed is left out rather than reported.
 """
 
@@ -18,19 +18,17 @@ from pydantic import BaseModel, ValidationError
 
 from planaria.config.errors import Loc, format_path, issues_from_validation, line_of
 from planaria.config.loader import RawConfig, disabled_plugins, read, validate
-from planaria.config.models import BackendSection, Config
+from planaria.config.models import BackendSection, Config, backend_sections
 from planaria.errors import ConfigError, ConfigIssue, PluginError
+from planaria.health.api import HealthCheckRecord
 from planaria.health.runner import ConfiguredCheck
 from planaria.plugin.manager import PluginManager
-from planaria.plugin.records import HealthCheckRecord, PluginRecord, normalize_name
+from planaria.plugin.records import PluginRecord, normalize_name
 from planaria.scheduler.api import Scheduler
 
-# Backend sections outside diagnosis.checks, by where they sit.
-BACKEND_PATHS: tuple[tuple[str, ...], ...] = (
-    ("scheduler",),
-    ("rendezvous",),
-    ("checkpoint", "storage"),
-    ("diagnosis", "preflight_benchmark"),
+# Backend sections outside diagnosis.checks (a list, resolved as the checks to run).
+BACKEND_PATHS: tuple[tuple[str, ...], ...] = tuple(
+    path for path, section in backend_sections() if path != ("diagnosis", "checks")
 )
 
 
@@ -41,6 +39,9 @@ class ResolvedBackend:
     path: str
     record: PluginRecord
     options: BaseModel
+    plugin: str = ""
+    """The entry point that provides it: another process building the same backend loads
+    that plugin alone (:meth:`~planaria.plugin.manager.PluginManager.for_spec`)."""
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,8 @@ def resolve(config: Config, manager: PluginManager, source: str | None = None) -
         except ConfigError as exc:
             issues += exc.issues
             continue
-        backends[dotted] = ResolvedBackend(dotted, record, options)
+        plugin = manager.provider(section.kind, record.name).name.split("@")[0]
+        backends[dotted] = ResolvedBackend(dotted, record, options, plugin)
     if issues:
         raise ConfigError(issues, source)
     return ResolvedConfig(config, checks, backends, source)

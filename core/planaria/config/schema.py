@@ -11,23 +11,12 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from planaria.config.models import (
-    BenchmarkSection,
-    CheckSection,
-    Config,
-    RendezvousSection,
-    SchedulerSection,
-    StorageSection,
-)
+from planaria.config.models import Config, backend_sections
 from planaria.plugin.manager import PluginManager
 from planaria.plugin.records import PluginKind
 
 SECTION_KINDS: dict[type[BaseModel], PluginKind] = {
-    CheckSection: PluginKind.HEALTH_CHECK,
-    SchedulerSection: PluginKind.SCHEDULER,
-    RendezvousSection: PluginKind.RENDEZVOUS_BACKEND,
-    StorageSection: PluginKind.CHECKPOINT_STORAGE,
-    BenchmarkSection: PluginKind.NODE_BENCHMARK,
+    section: section.kind for _, section in backend_sections()
 }
 
 

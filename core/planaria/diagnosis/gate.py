@@ -9,14 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from planaria.diagnosis.messages import CheckFailure, CheckSpec, DiagnosisSpec
 from planaria.errors import PluginError
-from planaria.health.api import CheckContext, NodeHealth
+from planaria.health.api import CheckContext, HealthCheckRecord, NodeHealth
 from planaria.health.runner import ConfiguredCheck, run_checks
 from planaria.plugin.manager import PluginManager
-from planaria.plugin.records import HealthCheckRecord, PluginKind
+from planaria.plugin.records import PluginKind
 
 
 def bind_checks(
@@ -24,21 +22,18 @@ def bind_checks(
 ) -> tuple[list[ConfiguredCheck], list[CheckFailure]]:
     """The checks this node can run, and a failure for each it cannot."""
     checks, failures = [], []
-    for spec in specs:
+    for index, spec in enumerate(specs):
         try:
-            record = manager.resolve(PluginKind.HEALTH_CHECK, spec.backend)
-            assert isinstance(record, HealthCheckRecord)
-            options = record.options.model_validate(spec.options)
-        except PluginError as exc:
-            failures.append(CheckFailure(check=spec.name, status="error", detail=str(exc)))
-            continue
-        except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()
+            record, options = manager.bind(
+                PluginKind.HEALTH_CHECK,
+                {"backend": spec.backend, "options": spec.options},
+                path=f"diagnosis.checks.{index}",
             )
-            detail = f"options invalid on this node: {problems}"
+        except PluginError as exc:
+            detail = f"cannot run on this node: {exc}"
             failures.append(CheckFailure(check=spec.name, status="error", detail=detail))
             continue
+        assert isinstance(record, HealthCheckRecord)
         checks.append(ConfiguredCheck(spec.name, record, options, spec.timeout))
     return checks, failures
 

@@ -14,6 +14,8 @@ from typing import ClassVar, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
+from planaria.plugin.records import PluginKind, PluginRecord
+
 
 class Status(str, Enum):
     """The verdict on one device, or on a whole check."""
@@ -138,3 +140,15 @@ class NodeHealth(BaseModel):
     @property
     def healthy(self) -> bool:
         return all(c.status.healthy for c in self.checks)
+
+
+class HealthCheckRecord(PluginRecord):
+    """``HealthCheckRecord(name="host", factory=HostCheck, options=HostOptions, summary=...)``"""
+
+    kind: ClassVar[PluginKind] = PluginKind.HEALTH_CHECK
+    well_known: ClassVar[dict[str, str]] = {
+        "nvidia": "planaria-nvidia",
+        "ascend": "planaria-ascend",
+        "custom_script": "planaria-custom-script",
+    }
+    factory: type[HealthCheck]  # type: ignore[type-arg]  # pydantic rejects type[X[Any]]

@@ -13,9 +13,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
-from planaria.health.api import DeviceResult, HealthCheck, Status
+from planaria.health.api import DeviceResult, HealthCheck, HealthCheckRecord, Status
 from planaria.plugin import hookimpl
-from planaria.plugin.records import HealthCheckRecord
 
 GIB = 1 << 30
 

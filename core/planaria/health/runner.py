@@ -20,11 +20,11 @@ from planaria.health.api import (
     CheckResult,
     DeviceResult,
     HealthCheck,
+    HealthCheckRecord,
     NodeHealth,
     Status,
 )
 from planaria.log import get_logger
-from planaria.plugin.records import HealthCheckRecord
 
 log = get_logger("checks")
 

@@ -39,6 +39,7 @@ from planaria.protocol import (
     MemoryHolding,
     NodeStatus,
     RegisterRequest,
+    RoundDirectives,
     WorkerFailure,
     WorkersReport,
 )
@@ -292,9 +293,9 @@ class Master:
         return JoinReply(
             state="ready",
             info=self.rounds.world[node_id],
-            restart_count=self.restarts,
-            restore=self.restore,
-            persist_step=self.persist_step,
+            directives=RoundDirectives(
+                restart_count=self.restarts, restore=self.restore, persist_step=self.persist_step
+            ),
         )
 
     async def heartbeat(self, beat: Heartbeat, hold: float) -> Action:

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from planaria.protocol import MemoryHolding
-from planaria.rendezvous import RendezvousInfo
+from planaria.protocol import MemoryHolding, RendezvousInfo
 
 
 def agree(

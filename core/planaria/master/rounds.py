@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Set
 from dataclasses import dataclass
 
-from planaria.rendezvous import RendezvousInfo
+from planaria.protocol import RendezvousInfo
 
 
 @dataclass

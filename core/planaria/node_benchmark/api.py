@@ -24,6 +24,7 @@ from typing import ClassVar, Generic, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from planaria.chaos import burn
+from planaria.plugin.records import PluginKind, PluginRecord
 
 OptionsT = TypeVar("OptionsT", bound=BaseModel)
 
@@ -111,3 +112,10 @@ class NodeBenchmark(ABC, Generic[OptionsT]):
     @abstractmethod
     def run(self, context: BenchmarkContext) -> BenchmarkResult:
         """Run once in this node's group; raise when the node cannot do its part."""
+
+
+class NodeBenchmarkRecord(PluginRecord):
+    """``NodeBenchmarkRecord(name="cpu", factory=CpuBenchmark, options=CpuOptions, summary=...)``"""
+
+    kind: ClassVar[PluginKind] = PluginKind.NODE_BENCHMARK
+    factory: type[NodeBenchmark]  # type: ignore[type-arg]  # pydantic rejects type[X[Any]]

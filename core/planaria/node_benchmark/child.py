@@ -17,7 +17,7 @@ from planaria.chaos import InjectedFault
 from planaria.diagnosis.messages import BenchmarkRun
 from planaria.node_benchmark.api import BenchmarkContext, NodeBenchmark
 from planaria.plugin.manager import PluginManager
-from planaria.plugin.records import NodeBenchmarkRecord, PluginKind
+from planaria.plugin.records import PluginKind
 
 MARKER = "planaria-benchmark-result "
 
@@ -33,9 +33,11 @@ def run(order: BenchmarkRun) -> str:
         raise InjectedFault(message)
     spec = task.benchmark
     manager = PluginManager.from_entry_points(disable=spec.disable_plugins)
-    record = manager.resolve(PluginKind.NODE_BENCHMARK, spec.backend)
-    assert isinstance(record, NodeBenchmarkRecord)
-    benchmark: NodeBenchmark[Any] = record.factory(record.options.model_validate(spec.options))
+    benchmark: NodeBenchmark[Any] = manager.build(
+        PluginKind.NODE_BENCHMARK,
+        {"backend": spec.backend, "options": spec.options},
+        path="diagnosis.preflight_benchmark",
+    )
     context = BenchmarkContext(
         node_id=order.node_id,
         host=order.host,

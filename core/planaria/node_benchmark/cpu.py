@@ -17,9 +17,13 @@ from collections.abc import Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planaria.node_benchmark.api import BenchmarkContext, BenchmarkResult, NodeBenchmark
+from planaria.node_benchmark.api import (
+    BenchmarkContext,
+    BenchmarkResult,
+    NodeBenchmark,
+    NodeBenchmarkRecord,
+)
 from planaria.plugin import hookimpl
-from planaria.plugin.records import NodeBenchmarkRecord
 
 
 class CpuOptions(BaseModel):

@@ -1,4 +1,18 @@
-"""The plugin system: markers, hook specifications, records and the manager."""
+"""What a plugin author imports: the hook markers, every kind's interface and record type.
+
+::
+
+    from planaria.plugin import HealthCheck, HealthCheckRecord, DeviceResult, Status, hookimpl
+
+Each name lives in its kind's ``api`` module (``planaria.health.api``, ``planaria.scheduler.api``,
+``planaria.storage.api``, ``planaria.node_benchmark.api``, ``planaria.fault_pattern.api``); this
+module hands them out on first use, so that importing the markers loads no kind at all.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -8,4 +22,123 @@ ENTRY_POINT_GROUP = "planaria"
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
-__all__ = ["ENTRY_POINT_GROUP", "PROJECT_NAME", "hookimpl", "hookspec"]
+_HOME = {
+    "planaria.plugin.records": ("NoOptions", "PluginKind", "PluginRecord", "normalize_name"),
+    "planaria.health.api": (
+        "CheckContext",
+        "CheckResult",
+        "DeviceResult",
+        "HealthCheck",
+        "HealthCheckRecord",
+        "Status",
+    ),
+    "planaria.scheduler.api": (
+        "LaunchSpec",
+        "NodeEvent",
+        "NodeHandle",
+        "NodeState",
+        "Scheduler",
+        "SchedulerRecord",
+    ),
+    "planaria.storage.api": ("CheckpointStorage", "CheckpointStorageRecord", "split_key"),
+    "planaria.node_benchmark.api": (
+        "BenchmarkContext",
+        "BenchmarkResult",
+        "NodeBenchmark",
+        "NodeBenchmarkRecord",
+    ),
+    "planaria.fault_pattern.api": (
+        "Classification",
+        "FaultClass",
+        "FaultKind",
+        "FaultPattern",
+        "match",
+    ),
+    "planaria.events": ("EventKind", "JobEvent"),
+}
+_MODULE_OF = {name: module for module, names in _HOME.items() for name in names}
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "PROJECT_NAME",
+    "BenchmarkContext",
+    "BenchmarkResult",
+    "CheckContext",
+    "CheckResult",
+    "CheckpointStorage",
+    "CheckpointStorageRecord",
+    "Classification",
+    "DeviceResult",
+    "EventKind",
+    "FaultClass",
+    "FaultKind",
+    "FaultPattern",
+    "HealthCheck",
+    "HealthCheckRecord",
+    "JobEvent",
+    "LaunchSpec",
+    "NoOptions",
+    "NodeBenchmark",
+    "NodeBenchmarkRecord",
+    "NodeEvent",
+    "NodeHandle",
+    "NodeState",
+    "PluginKind",
+    "PluginRecord",
+    "Scheduler",
+    "SchedulerRecord",
+    "Status",
+    "hookimpl",
+    "hookspec",
+    "match",
+    "normalize_name",
+    "split_key",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'planaria.plugin' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:
+    from planaria.events import EventKind, JobEvent
+    from planaria.fault_pattern.api import (
+        Classification,
+        FaultClass,
+        FaultKind,
+        FaultPattern,
+        match,
+    )
+    from planaria.health.api import (
+        CheckContext,
+        CheckResult,
+        DeviceResult,
+        HealthCheck,
+        HealthCheckRecord,
+        Status,
+    )
+    from planaria.node_benchmark.api import (
+        BenchmarkContext,
+        BenchmarkResult,
+        NodeBenchmark,
+        NodeBenchmarkRecord,
+    )
+    from planaria.plugin.records import NoOptions, PluginKind, PluginRecord, normalize_name
+    from planaria.scheduler.api import (
+        LaunchSpec,
+        NodeEvent,
+        NodeHandle,
+        NodeState,
+        Scheduler,
+        SchedulerRecord,
+    )
+    from planaria.storage.api import CheckpointStorage, CheckpointStorageRecord, split_key

@@ -17,14 +17,11 @@ from collections.abc import Iterable
 
 from planaria.events import JobEvent
 from planaria.fault_pattern.api import FaultPattern
+from planaria.health.api import HealthCheckRecord
+from planaria.node_benchmark.api import NodeBenchmarkRecord
 from planaria.plugin import hookspec
-from planaria.plugin.records import (
-    CheckpointStorageRecord,
-    HealthCheckRecord,
-    NodeBenchmarkRecord,
-    RendezvousBackendRecord,
-    SchedulerRecord,
-)
+from planaria.scheduler.api import SchedulerRecord
+from planaria.storage.api import CheckpointStorageRecord
 
 
 class PlanariaSpecs:
@@ -53,19 +50,6 @@ class PlanariaSpecs:
             def planaria_schedulers():
                 yield SchedulerRecord(name="mycluster", factory=MyClusterScheduler,
                                       options=MyClusterOptions, summary="nodes on MyCluster")
-        """
-        raise NotImplementedError
-
-    @hookspec
-    def planaria_rendezvous_backends(self) -> Iterable[RendezvousBackendRecord]:
-        """Register rendezvous backends, selected by ``rendezvous.backend``.
-
-        Example::
-
-            @planaria.hookimpl
-            def planaria_rendezvous_backends():
-                yield RendezvousBackendRecord(name="etcd", factory=EtcdRendezvous,
-                                              options=EtcdOptions, summary="rendezvous on etcd")
         """
         raise NotImplementedError
 

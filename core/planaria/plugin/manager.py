@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import os
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from importlib.metadata import EntryPoint, entry_points
@@ -21,21 +21,18 @@ import pluggy
 from pydantic import BaseModel, ValidationError
 
 from planaria.errors import (
+    ConfigIssue,
     DuplicatePluginError,
     PluginLoadError,
     PluginNotFoundError,
+    PluginOptionsError,
 )
 from planaria.events import JobEvent
 from planaria.fault_pattern.api import FaultPattern
 from planaria.log import get_logger
 from planaria.plugin import ENTRY_POINT_GROUP, PROJECT_NAME, hookspecs
-from planaria.plugin.records import (
-    RECORD_TYPES,
-    WELL_KNOWN,
-    PluginKind,
-    PluginRecord,
-    normalize_name,
-)
+from planaria.plugin.kinds import RECORD_TYPES, well_known
+from planaria.plugin.records import PluginKind, PluginRecord, normalize_name
 
 log = get_logger("plugins")
 
@@ -120,10 +117,53 @@ class PluginManager:
         self._duplicates: list[str] = []
 
     @classmethod
-    def from_entry_points(cls, disable: Iterable[str] = ()) -> PluginManager:
+    def from_entry_points(
+        cls, disable: Iterable[str] = (), only: Iterable[str] | None = None
+    ) -> PluginManager:
+        """Every installed plugin but the disabled ones; with ``only``, just the entry points
+        of those names (a worker building its one storage imports no other plugin)."""
         manager = cls([*disable, *disabled_from_env()])
-        manager.load_entry_points()
+        manager.load_entry_points(only)
         return manager
+
+    @classmethod
+    def for_spec(cls, spec: Mapping[str, Any], disable: Iterable[str] = ()) -> PluginManager:
+        """The plugins a spec made by the master needs: its ``plugin`` (the entry point that
+        provided the backend there) alone when it names one, else every installed plugin."""
+        plugin = spec.get("plugin") if isinstance(spec, Mapping) else None
+        return cls.from_entry_points(disable, only=[plugin] if isinstance(plugin, str) else None)
+
+    def bind(
+        self, kind: PluginKind, spec: Mapping[str, Any], *, path: str
+    ) -> tuple[PluginRecord, BaseModel]:
+        """The record ``spec`` selects (``{"backend": NAME, "options": {...}}``, the shape of
+        every backend section of the config) and its validated options. An unknown name is a
+        :class:`PluginNotFoundError` listing the installed choices; options that do not
+        validate are a :class:`PluginOptionsError` naming each problem under ``path``
+        (``checkpoint.storage.options.path: ...``)."""
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("backend"), str):
+            raise PluginOptionsError(
+                [ConfigIssue(path, f"expected {{backend: NAME, options: {{...}}}}, not {spec!r}")]
+            )
+        record = self.resolve(kind, spec["backend"])
+        options = spec.get("options")
+        if not isinstance(options, record.options):
+            try:
+                options = record.options.model_validate(options or {})
+            except ValidationError as exc:
+                raise PluginOptionsError(
+                    [_option_issue(f"{path}.options", e, record.options) for e in exc.errors()]
+                ) from None
+        return record, options
+
+    def build(
+        self, kind: PluginKind, spec: Mapping[str, Any], *args: Any, path: str, **kwargs: Any
+    ) -> Any:
+        """An instance of the plugin ``spec`` selects: :meth:`bind`, then
+        ``factory(options, *args, **kwargs)``. The one way a plugin instance is made from a
+        spec, in the master, an agent, a persister, a restoring worker or a benchmark child."""
+        record, options = self.bind(kind, spec, path=path)
+        return record.factory(options, *args, **kwargs)
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -133,9 +173,11 @@ class PluginManager:
             names.add(normalize_name(distribution))
         return bool(names & self._disabled)
 
-    def load_entry_points(self) -> None:
+    def load_entry_points(self, only: Iterable[str] | None = None) -> None:
+        wanted = None if only is None else {normalize_name(n) for n in only}
         for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-            self._load_entry_point(ep)
+            if wanted is None or normalize_name(ep.name) in wanted:
+                self._load_entry_point(ep)
 
     def _load_entry_point(self, ep: EntryPoint) -> None:
         dist = ep.dist
@@ -311,7 +353,7 @@ class PluginManager:
         key = normalize_name(name)
         if key in available:
             return available[key]
-        package = WELL_KNOWN[kind].get(key)
+        package = well_known(kind).get(key)
         for info in self.plugins.values():
             claims = normalize_name(info.name.split("@")[0]) == key or (
                 package is not None
@@ -371,3 +413,14 @@ class PluginManager:
                     event_kind=event.kind.value,
                     error=_one_line_exception(exc),
                 )
+
+
+def _option_issue(at: str, error: Any, model: type[BaseModel]) -> ConfigIssue:
+    loc = ".".join(str(p) for p in error["loc"])
+    if error["type"] == "extra_forbidden":
+        message = f"unknown key; {model.__name__} takes: {', '.join(model.model_fields) or 'none'}"
+    elif error["type"] == "missing":
+        message = "required, but missing"
+    else:
+        message = str(error["msg"]).removeprefix("Value error, ")
+    return ConfigIssue(f"{at}.{loc}" if loc else at, message)

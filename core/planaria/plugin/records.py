@@ -1,7 +1,9 @@
 """Records: what a plugin registers. One small frozen model per kind of plugin.
 
 A record names an implementation class, the pydantic model that validates its config section
-(``options``), and a one-line summary. Names are normalised (lower case, ``-`` becomes ``_``),
+(``options``), and a one-line summary. Each kind's record sits in the kind's
+``api`` module beside its interface (``planaria.health.api.HealthCheckRecord``); this module holds
+what they share. Names are normalised (lower case, ``-`` becomes ``_``),
 so ``custom-script`` and ``custom_script`` are the same name. Fault patterns are the one kind
 whose records (:class:`~planaria.fault_pattern.api.FaultPattern`) have no name or factory: no
 config selects them, every one installed classifies.
@@ -15,13 +17,6 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from planaria.fault_pattern.api import FaultPattern
-from planaria.health.api import HealthCheck
-from planaria.node_benchmark.api import NodeBenchmark
-from planaria.rendezvous import RendezvousHandler
-from planaria.scheduler.api import Scheduler
-from planaria.storage.api import CheckpointStorage
-
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
@@ -33,7 +28,6 @@ def normalize_name(name: str) -> str:
 class PluginKind(str, Enum):
     HEALTH_CHECK = "health_check"
     SCHEDULER = "scheduler"
-    RENDEZVOUS_BACKEND = "rendezvous_backend"
     CHECKPOINT_STORAGE = "checkpoint_storage"
     NODE_BENCHMARK = "node_benchmark"
     FAULT_PATTERN = "fault_pattern"
@@ -60,6 +54,10 @@ class PluginRecord(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     kind: ClassVar[PluginKind]
+    well_known: ClassVar[dict[str, str]] = {}
+    """Names of this kind whose provider is well known, and the distribution to install:
+    an unknown-name error says what to ``pip install``. Only distributions this project
+    publishes (its plugins/ folder): a package that does not exist sends the user nowhere."""
 
     name: str
     factory: type
@@ -95,58 +93,3 @@ class PluginRecord(BaseModel):
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind.value, "name": self.name, "summary": self.summary}
-
-
-class HealthCheckRecord(PluginRecord):
-    """``HealthCheckRecord(name="host", factory=HostCheck, options=HostOptions, summary=...)``"""
-
-    kind: ClassVar[PluginKind] = PluginKind.HEALTH_CHECK
-    factory: type[HealthCheck]  # type: ignore[type-arg]  # pydantic rejects type[X[Any]]
-
-
-class SchedulerRecord(PluginRecord):
-    kind: ClassVar[PluginKind] = PluginKind.SCHEDULER
-    factory: type[Scheduler]  # type: ignore[type-arg]  # pydantic rejects type[X[Any]]
-
-
-class RendezvousBackendRecord(PluginRecord):
-    kind: ClassVar[PluginKind] = PluginKind.RENDEZVOUS_BACKEND
-    factory: type[RendezvousHandler]  # type: ignore[type-arg]  # pydantic rejects type[X[Any]]
-
-
-class CheckpointStorageRecord(PluginRecord):
-    kind: ClassVar[PluginKind] = PluginKind.CHECKPOINT_STORAGE
-    factory: type[CheckpointStorage]  # type: ignore[type-arg]  # pydantic rejects type[X[Any]]
-
-
-class NodeBenchmarkRecord(PluginRecord):
-    """``NodeBenchmarkRecord(name="cpu", factory=CpuBenchmark, options=CpuOptions, summary=...)``"""
-
-    kind: ClassVar[PluginKind] = PluginKind.NODE_BENCHMARK
-    factory: type[NodeBenchmark]  # type: ignore[type-arg]  # pydantic rejects type[X[Any]]
-
-
-RECORD_TYPES: dict[PluginKind, type[PluginRecord] | type[FaultPattern]] = {
-    PluginKind.HEALTH_CHECK: HealthCheckRecord,
-    PluginKind.SCHEDULER: SchedulerRecord,
-    PluginKind.RENDEZVOUS_BACKEND: RendezvousBackendRecord,
-    PluginKind.CHECKPOINT_STORAGE: CheckpointStorageRecord,
-    PluginKind.NODE_BENCHMARK: NodeBenchmarkRecord,
-    PluginKind.FAULT_PATTERN: FaultPattern,
-}
-
-# Names whose provider is well known: an unknown-name error tells the user what to install.
-# Only distributions this project publishes (its plugins/ folder): a suggestion to install a
-# package that does not exist sends the user nowhere.
-WELL_KNOWN: dict[PluginKind, dict[str, str]] = {
-    PluginKind.HEALTH_CHECK: {
-        "nvidia": "planaria-nvidia",
-        "ascend": "planaria-ascend",
-        "custom_script": "planaria-custom-script",
-    },
-    PluginKind.SCHEDULER: {},
-    PluginKind.RENDEZVOUS_BACKEND: {},
-    PluginKind.CHECKPOINT_STORAGE: {"fsspec": "planaria-fsspec"},
-    PluginKind.NODE_BENCHMARK: {},
-    PluginKind.FAULT_PATTERN: {},
-}

@@ -16,6 +16,7 @@ from typing import ClassVar, Generic, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from planaria.errors import ConfigIssue
+from planaria.plugin.records import PluginKind, PluginRecord
 
 
 class NodeState(str, Enum):
@@ -126,3 +127,8 @@ class Scheduler(ABC, Generic[OptionsT]):
     def excluded_hosts(self) -> set[str]:
         """Hosts this scheduler will not place nodes on any more."""
         return set()
+
+
+class SchedulerRecord(PluginRecord):
+    kind: ClassVar[PluginKind] = PluginKind.SCHEDULER
+    factory: type[Scheduler]  # type: ignore[type-arg]  # pydantic rejects type[X[Any]]

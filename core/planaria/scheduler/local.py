@@ -14,8 +14,9 @@ process that started them, even when it is killed with SIGKILL. Linux sends that
 :meth:`LocalScheduler.replace` (the methods that start processes) from one long-lived thread,
 as the master does with its single-thread scheduler executor; a call from another thread raises
 :class:`~planaria.errors.SchedulerError` instead of leaving nodes tied to a short-lived thread.
-None of the methods is thread-safe, but :meth:`~planaria.scheduler.Scheduler.interrupt`: a launch
-stops between two nodes when it is called.
+None of the methods is thread-safe, but
+:meth:`~planaria.scheduler.api.Scheduler.interrupt`: a launch stops between two nodes when it
+is called.
 
 Size: every node and every worker is a process of this machine, so a job must fit it. It may
 have at most ``max_nodes`` nodes (by default 4 per CPU), and as many workers as
@@ -52,8 +53,14 @@ from planaria.durations import Duration
 from planaria.errors import ConfigIssue, SchedulerError
 from planaria.log import get_logger
 from planaria.plugin import hookimpl
-from planaria.plugin.records import SchedulerRecord
-from planaria.scheduler.api import LaunchSpec, NodeEvent, NodeHandle, NodeState, Scheduler
+from planaria.scheduler.api import (
+    LaunchSpec,
+    NodeEvent,
+    NodeHandle,
+    NodeState,
+    Scheduler,
+    SchedulerRecord,
+)
 from planaria.shm import node_dir, remove_dir
 
 log = get_logger("scheduler.local")

@@ -13,6 +13,7 @@ from typing import ClassVar, Generic, TypeVar
 from pydantic import BaseModel
 
 from planaria.errors import StorageError
+from planaria.plugin.records import PluginKind, PluginRecord
 
 OptionsT = TypeVar("OptionsT", bound=BaseModel)
 
@@ -68,3 +69,9 @@ class CheckpointStorage(ABC, Generic[OptionsT]):
     @abstractmethod
     def commit(self, partial: str, final: str) -> None:
         """Atomically make everything under ``partial`` visible as ``final``."""
+
+
+class CheckpointStorageRecord(PluginRecord):
+    kind: ClassVar[PluginKind] = PluginKind.CHECKPOINT_STORAGE
+    well_known: ClassVar[dict[str, str]] = {"fsspec": "planaria-fsspec"}
+    factory: type[CheckpointStorage]  # type: ignore[type-arg]  # pydantic rejects type[X[Any]]

@@ -24,8 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from planaria.errors import StorageError
 from planaria.plugin import hookimpl
-from planaria.plugin.records import CheckpointStorageRecord
-from planaria.storage.api import CheckpointStorage, split_key
+from planaria.storage.api import CheckpointStorage, CheckpointStorageRecord, split_key
 
 _TMP_PREFIX = ".planaria-tmp-"
 _AT_FDCWD = -100

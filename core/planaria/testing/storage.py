@@ -1,5 +1,5 @@
-"""The conformance suite of checkpoint storage targets (:class:`~planaria.storage.CheckpointStorage`
-subclasses).
+"""The conformance suite of checkpoint storage targets
+(:class:`~planaria.storage.api.CheckpointStorage` subclasses).
 
 Every storage plugin, built in or third party, should pass it. Subclass
 :class:`StorageConformance` in a test module (the class name must start with ``Test`` for pytest
@@ -136,7 +136,7 @@ def _pattern(seed: int, size: int) -> bytes:
 
 
 class StorageConformance:
-    """Tests every :class:`~planaria.storage.CheckpointStorage` must pass; see the module doc."""
+    """Tests every :class:`~planaria.storage.api.CheckpointStorage` must pass (module doc)."""
 
     @pytest.fixture
     def storage(self) -> AnyStorage:

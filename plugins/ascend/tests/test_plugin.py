@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from planaria.health.api import HealthCheckRecord
 from planaria.plugin.manager import PluginManager
-from planaria.plugin.records import HealthCheckRecord, PluginKind
+from planaria.plugin.records import PluginKind
 from planaria_ascend import AscendCheck, AscendOptions, plugin
 
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 from custom_script_helpers import MakeScript, read_pids, wait_dead
 
-from planaria.health.api import CheckContext, Status
+from planaria.health.api import CheckContext, HealthCheckRecord, Status
 from planaria.health.host import HostCheck, HostOptions
 from planaria.health.runner import ConfiguredCheck, run_checks
 from planaria.plugin.manager import PluginManager
-from planaria.plugin.records import HealthCheckRecord, PluginKind
+from planaria.plugin.records import PluginKind
 from planaria_custom_script import CustomScriptCheck, CustomScriptOptions, plugin
 
 

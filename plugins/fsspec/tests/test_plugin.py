@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from planaria.plugin.manager import PluginManager
-from planaria.plugin.records import CheckpointStorageRecord, PluginKind
+from planaria.plugin.records import PluginKind
+from planaria.storage.api import CheckpointStorageRecord
 from planaria_fsspec import FsspecStorage, FsspecStorageOptions, plugin
 
 Cli = Callable[..., subprocess.CompletedProcess[str]]

@@ -14,8 +14,9 @@ import pytest
 from pydantic import ValidationError
 from test_real_nvml import DRIVER
 
+from planaria.health.api import HealthCheckRecord
 from planaria.plugin.manager import PluginManager
-from planaria.plugin.records import HealthCheckRecord, PluginKind
+from planaria.plugin.records import PluginKind
 from planaria_nvidia import NvidiaCheck, NvidiaOptions, plugin
 
 

@@ -12,7 +12,7 @@ import shutil
 from dataclasses import dataclass, field
 
 from planaria.errors import HealthCheckError
-from planaria.health.api import CheckContext, DeviceResult, HealthCheck, Status
+from planaria.plugin import CheckContext, DeviceResult, HealthCheck, Status
 from planaria_ascend import torch_probe
 from planaria_ascend.commands import CommandCancelled, Outcome, Runner
 from planaria_ascend.npu_smi import Chip, NpuSmiParseError, field_number, parse_fields, parse_info

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from planaria.fault_pattern.api import FaultPattern
-from planaria.plugin import hookimpl
-from planaria.plugin.records import HealthCheckRecord
+from planaria.plugin import FaultPattern, HealthCheckRecord, hookimpl
 from planaria_ascend.check import AscendCheck
 from planaria_ascend.options import AscendOptions
 

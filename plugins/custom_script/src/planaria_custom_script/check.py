@@ -11,7 +11,7 @@ import os
 import threading
 
 from planaria.errors import HealthCheckError
-from planaria.health.api import CheckContext, DeviceResult, HealthCheck
+from planaria.plugin import CheckContext, DeviceResult, HealthCheck
 from planaria_custom_script.options import CustomScriptOptions
 from planaria_custom_script.process_group import STDOUT_LIMIT, ProcessGroup
 from planaria_custom_script.protocol import verdict

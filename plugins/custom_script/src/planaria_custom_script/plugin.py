@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from planaria.plugin import hookimpl
-from planaria.plugin.records import HealthCheckRecord
+from planaria.plugin import HealthCheckRecord, hookimpl
 from planaria_custom_script.check import CustomScriptCheck
 from planaria_custom_script.options import CustomScriptOptions
 

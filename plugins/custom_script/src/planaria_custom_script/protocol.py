@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from planaria.errors import HealthCheckError
-from planaria.health.api import DeviceResult, Status
+from planaria.plugin import DeviceResult, Status
 
 STATUSES: dict[str, Status] = {
     "ok": Status.OK,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from planaria import storage
+from planaria import plugin
 from planaria.errors import StorageError
 
 RESERVED = ".planaria-"
@@ -14,7 +14,7 @@ _WILDCARDS = "*?["
 def split_key(key: str, *, allow_root: bool = False) -> list[str]:
     """The segments of a valid key (the rules of every planaria storage, then this one's
     own), or a :class:`StorageError` naming the key."""
-    parts = storage.split_key(key, allow_root=allow_root)
+    parts = plugin.split_key(key, allow_root=allow_root)
     if any(part.startswith(RESERVED) for part in parts):
         raise StorageError(
             f"storage key {key!r} has a segment starting with {RESERVED!r}, which the fsspec "

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from planaria.plugin import hookimpl
-from planaria.plugin.records import CheckpointStorageRecord
+from planaria.plugin import CheckpointStorageRecord, hookimpl
 from planaria_fsspec.options import FsspecStorageOptions
 from planaria_fsspec.storage import FsspecStorage
 

@@ -29,7 +29,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractFileSystem
 
 from planaria.errors import StorageError
-from planaria.storage.api import CheckpointStorage
+from planaria.plugin import CheckpointStorage
 from planaria.storage.local import LocalStorage, LocalStorageOptions
 from planaria_fsspec.keys import RESERVED, split_key
 from planaria_fsspec.options import FsspecStorageOptions

@@ -16,7 +16,7 @@ from typing import TypeVar
 import pynvml
 
 from planaria.errors import HealthCheckError
-from planaria.health.api import CheckContext, DeviceResult, HealthCheck, Status
+from planaria.plugin import CheckContext, DeviceResult, HealthCheck, Status
 from planaria_nvidia.nvml import Handle, Nvml
 from planaria_nvidia.options import NvidiaOptions, ThrottleReason
 from planaria_nvidia.session import NvmlSession, Xids, default_session

@@ -29,7 +29,7 @@ The Xid patterns follow the driver's kernel-log format,
 
 from __future__ import annotations
 
-from planaria.fault_pattern.api import FaultKind, FaultPattern
+from planaria.plugin import FaultKind, FaultPattern
 from planaria_nvidia.xids import DEFAULT_FATAL, describe
 
 APPLICATION_XIDS: dict[int, FaultKind] = {13: "user", 31: "user", 43: "user", 45: "transient"}

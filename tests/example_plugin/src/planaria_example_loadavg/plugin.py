@@ -13,8 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import planaria
 from planaria.errors import HealthCheckError
-from planaria.health.api import DeviceResult, HealthCheck, Status
-from planaria.plugin.records import HealthCheckRecord
+from planaria.plugin import DeviceResult, HealthCheck, HealthCheckRecord, Status
 
 
 class LoadavgOptions(BaseModel):

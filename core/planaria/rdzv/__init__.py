@@ -1,1 +1,0 @@
-"""Built-in rendezvous backends."""
