@@ -9,6 +9,7 @@ import socket
 import sys
 
 import pytest
+from conftest import PLUGIN_FIXTURES
 from pydantic import ValidationError
 
 from planaria.chaos import ChaosRule
@@ -179,6 +180,39 @@ def test_the_benchmark_child_reports_a_result_a_failure_and_a_timeout(tmp_path):
     hung = asyncio.run(run_benchmark("node-0", "local-0", short, hangs))
     assert hung.status == "timeout" and 3.0 <= hung.seconds < 10.0
     assert "did not finish within 3s" in hung.error
+
+
+def test_the_benchmark_child_has_the_agent_s_environment_and_no_group_variables(monkeypatch):
+    # What the guide and BenchmarkContext say: the group is in the context only. The child's
+    # environment is the agent's as it is, so a variable there says nothing of this group.
+    from planaria.agent.preflight import run_benchmark
+
+    fixture = str(PLUGIN_FIXTURES / "envbench")
+    path = os.pathsep.join(filter(None, [fixture, os.getenv("PYTHONPATH")]))
+    monkeypatch.setenv("PYTHONPATH", path)
+    monkeypatch.delenv("PLANARIA_DISABLE_PLUGINS", raising=False)
+    for name in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "an-outer-launcher's")
+    task = PreflightTask(
+        group="round1.1",
+        stage="round 1",
+        members=["node-0", "node-1"],
+        rank=1,
+        master_addr="10.0.0.7",
+        master_port=29400,
+        benchmark=BenchmarkSpec(backend="envbench", timeout=60.0),
+    )
+    result = asyncio.run(run_benchmark("node-1", "local-1", task, []))
+    assert result.status == "ok", result
+    assert result.info == {
+        "MASTER_ADDR": "an-outer-launcher's",
+        "MASTER_PORT": "unset",
+        "RANK": "unset",
+        "WORLD_SIZE": "unset",
+        "LOCAL_RANK": "unset",
+        "context": "10.0.0.7:29400 rank 1",
+    }
 
 
 def test_the_benchmark_child_dies_with_its_agent(tmp_path):
