@@ -50,7 +50,7 @@ def test_round_one_suspects_a_failed_group_and_a_slow_node_against_the_others_me
     good, suspects = suspects_of(groups, factor=3.0)
     assert good == ["n0", "n4", "n5"]
     assert set(suspects) == {"n1", "n2", "n3"}
-    assert suspects["n1"].startswith("slow: matmul 60.0 ms, 6.0x the median (10.0 ms)")
+    assert suspects["n1"].startswith("slow: matmul 60.0 ms, 6.0x the other nodes' median (10.0 ms)")
     # The node that failed by itself is named; the one stopped because of it is not.
     assert suspects["n3"] == "its group failed (n2 failed: boom)"
 

@@ -55,6 +55,9 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Slowness:
+    """A measure above ``factor`` x ``baseline``: the median of the other nodes compared (round
+    1: every other node that completed; round 2: the known-good nodes)."""
+
     measure: str
     seconds: float
     baseline: float
@@ -65,8 +68,8 @@ class Slowness:
 
     def describe(self) -> str:
         return (
-            f"{self.measure} {self.seconds * 1000:.1f} ms, {self.ratio:.1f}x the median "
-            f"({self.baseline * 1000:.1f} ms)"
+            f"{self.measure} {self.seconds * 1000:.1f} ms, {self.ratio:.1f}x the other nodes' "
+            f"median ({self.baseline * 1000:.1f} ms)"
         )
 
 

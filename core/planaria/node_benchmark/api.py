@@ -11,8 +11,9 @@ or set them in ``os.environ`` first for an ``env://`` init, as the built-in ``cp
 does.
 
 A benchmark returns *measures*: named durations in seconds, lower is better, comparable across
-nodes. The master compares each with the median over all nodes; a node above
-``diagnosis.preflight_factor`` times it is a suspect (see :mod:`planaria.diagnosis.preflight`).
+nodes. The master compares each with the median of the other nodes' (in round 2, of the nodes
+found good); a node above ``diagnosis.preflight_factor`` times it is a suspect (see
+:mod:`planaria.diagnosis.preflight`).
 Put there only what tells a slow node from a fast one; anything else goes in ``info``.
 """
 
@@ -45,7 +46,8 @@ class BenchmarkResult(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     measures: dict[str, float] = Field(
-        default_factory=dict, description="seconds, lower is better: judged against the median"
+        default_factory=dict,
+        description="seconds, lower is better: judged against the other nodes' median",
     )
     info: dict[str, float | int | str] = Field(
         default_factory=dict, description="reported as is, never judged"
