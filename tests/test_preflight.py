@@ -22,6 +22,7 @@ from planaria.diagnosis.preflight import (
     judge,
     regroup,
     slowest,
+    slowest_per_measure,
     suspects_of,
 )
 from planaria.errors import ConfigError
@@ -59,6 +60,16 @@ def test_with_two_nodes_the_slow_one_is_measured_against_the_other_only():
     assert slowest(ok("a", 60), [ok("a", 60), ok("b", 10)], 3.0) is not None
     assert slowest(ok("b", 10), [ok("a", 60), ok("b", 10)], 3.0) is None
     assert slowest(ok("a", 60), [ok("a", 60)], 3.0) is None  # no yardstick: no verdict
+
+
+def test_the_slowest_node_per_measure_among_those_that_completed():
+    outcomes = [
+        Outcome("n0", "ok", {"matmul": 0.010, "allreduce": 0.004}),
+        Outcome("n1", "ok", {"matmul": 0.012, "allreduce": 0.003}),
+        Outcome("n2", "timeout", {"matmul": 9.0}),  # no measure of a run that did not complete
+    ]
+    assert slowest_per_measure(outcomes) == {"allreduce": ("n0", 0.004), "matmul": ("n1", 0.012)}
+    assert slowest_per_measure([]) == {}
 
 
 def test_round_two_pairs_each_suspect_with_a_distinct_good_node_or_runs_it_alone():

@@ -103,6 +103,17 @@ def baseline(outcomes: Iterable[Outcome]) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in sorted(values.items())}
 
 
+def slowest_per_measure(outcomes: Iterable[Outcome]) -> dict[str, tuple[str, float]]:
+    """Per measure, the node that took longest among those that completed, and its time."""
+    found: dict[str, tuple[str, float]] = {}
+    for outcome in outcomes:
+        if outcome.ok:
+            for name, value in outcome.measures.items():
+                if name not in found or value > found[name][1]:
+                    found[name] = (outcome.node, value)
+    return dict(sorted(found.items()))
+
+
 def slowest(outcome: Outcome, pool: Iterable[Outcome], factor: float) -> Slowness | None:
     """The measure of ``outcome`` most above ``factor`` x the median of the other nodes of
     ``pool`` (those that completed), if any is."""
