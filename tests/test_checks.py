@@ -192,3 +192,22 @@ def test_a_metric_must_be_a_number_not_a_boolean_or_a_string():
     for bad in (True, "61", None):
         with pytest.raises(ValidationError, match=r"metrics\.x"):
             DeviceResult(device="gpu0", status=Status.OK, metrics={"x": bad})
+
+
+class ClaimsError(HealthCheck[NoOptions]):
+    def run(self) -> list[DeviceResult]:
+        return [DeviceResult(device="gpu0", status=Status.ERROR)]
+
+
+def test_a_device_cannot_be_error_only_the_runner_gives_it(tmp_path):
+    with pytest.raises(
+        ValidationError, match=r"a device's status cannot be 'error'.*HealthCheckError"
+    ):
+        DeviceResult(device="gpu0", status=Status.ERROR)
+    with pytest.raises(ValidationError, match="cannot be 'error'"):
+        DeviceResult.model_validate({"device": "gpu0", "status": "error"})
+    # A check that tries anyway gets the runner's own error, which quotes why.
+    health = run_checks([configured("claims", ClaimsError)], context(tmp_path))
+    (result,) = health.checks
+    assert result.status is Status.ERROR and result.devices == []
+    assert "ValidationError" in result.error and "cannot be 'error'" in result.error

@@ -159,3 +159,23 @@ def test_json_logs(cli, tmp_path):
     assert warning["component"] == "plugins"
     assert warning["level"] == "warning"
     assert warning["plugin"] == "brokencheck"
+
+
+def test_an_all_pass_preflight_is_one_line_not_an_empty_table(capsys):
+    from planaria.cli.run import print_preflight
+    from planaria.master.preflight import PreflightReport
+
+    report = PreflightReport(
+        nodes=4,
+        rounds=1,
+        baseline={"matmul": 0.0101},
+        slowest={"matmul": ("node-3", 0.0123)},
+        hosts={f"node-{i}": f"local-{i}" for i in range(4)},
+    )
+    print_preflight(report)
+    assert capsys.readouterr().out == (
+        "pre-flight: all 4 nodes passed in 1 round (matmul: slowest 12.3 ms on node-3, "
+        "median 10.1 ms)\n"
+    )
+    print_preflight(PreflightReport())
+    assert capsys.readouterr().out == "pre-flight: no node was checked\n"

@@ -9,6 +9,7 @@ import socket
 import sys
 
 import pytest
+from conftest import PLUGIN_FIXTURES
 from pydantic import ValidationError
 
 from planaria.chaos import ChaosRule
@@ -21,6 +22,7 @@ from planaria.diagnosis.preflight import (
     judge,
     regroup,
     slowest,
+    slowest_per_measure,
     suspects_of,
 )
 from planaria.errors import ConfigError
@@ -49,7 +51,7 @@ def test_round_one_suspects_a_failed_group_and_a_slow_node_against_the_others_me
     good, suspects = suspects_of(groups, factor=3.0)
     assert good == ["n0", "n4", "n5"]
     assert set(suspects) == {"n1", "n2", "n3"}
-    assert suspects["n1"].startswith("slow: matmul 60.0 ms, 6.0x the median (10.0 ms)")
+    assert suspects["n1"].startswith("slow: matmul 60.0 ms, 6.0x the other nodes' median (10.0 ms)")
     # The node that failed by itself is named; the one stopped because of it is not.
     assert suspects["n3"] == "its group failed (n2 failed: boom)"
 
@@ -58,6 +60,16 @@ def test_with_two_nodes_the_slow_one_is_measured_against_the_other_only():
     assert slowest(ok("a", 60), [ok("a", 60), ok("b", 10)], 3.0) is not None
     assert slowest(ok("b", 10), [ok("a", 60), ok("b", 10)], 3.0) is None
     assert slowest(ok("a", 60), [ok("a", 60)], 3.0) is None  # no yardstick: no verdict
+
+
+def test_the_slowest_node_per_measure_among_those_that_completed():
+    outcomes = [
+        Outcome("n0", "ok", {"matmul": 0.010, "allreduce": 0.004}),
+        Outcome("n1", "ok", {"matmul": 0.012, "allreduce": 0.003}),
+        Outcome("n2", "timeout", {"matmul": 9.0}),  # no measure of a run that did not complete
+    ]
+    assert slowest_per_measure(outcomes) == {"allreduce": ("n0", 0.004), "matmul": ("n1", 0.012)}
+    assert slowest_per_measure([]) == {}
 
 
 def test_round_two_pairs_each_suspect_with_a_distinct_good_node_or_runs_it_alone():
@@ -179,6 +191,39 @@ def test_the_benchmark_child_reports_a_result_a_failure_and_a_timeout(tmp_path):
     hung = asyncio.run(run_benchmark("node-0", "local-0", short, hangs))
     assert hung.status == "timeout" and 3.0 <= hung.seconds < 10.0
     assert "did not finish within 3s" in hung.error
+
+
+def test_the_benchmark_child_has_the_agent_s_environment_and_no_group_variables(monkeypatch):
+    # What the guide and BenchmarkContext say: the group is in the context only. The child's
+    # environment is the agent's as it is, so a variable there says nothing of this group.
+    from planaria.agent.preflight import run_benchmark
+
+    fixture = str(PLUGIN_FIXTURES / "envbench")
+    path = os.pathsep.join(filter(None, [fixture, os.getenv("PYTHONPATH")]))
+    monkeypatch.setenv("PYTHONPATH", path)
+    monkeypatch.delenv("PLANARIA_DISABLE_PLUGINS", raising=False)
+    for name in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "an-outer-launcher's")
+    task = PreflightTask(
+        group="round1.1",
+        stage="round 1",
+        members=["node-0", "node-1"],
+        rank=1,
+        master_addr="10.0.0.7",
+        master_port=29400,
+        benchmark=BenchmarkSpec(backend="envbench", timeout=60.0),
+    )
+    result = asyncio.run(run_benchmark("node-1", "local-1", task, []))
+    assert result.status == "ok", result
+    assert result.info == {
+        "MASTER_ADDR": "an-outer-launcher's",
+        "MASTER_PORT": "unset",
+        "RANK": "unset",
+        "WORLD_SIZE": "unset",
+        "LOCAL_RANK": "unset",
+        "context": "10.0.0.7:29400 rank 1",
+    }
 
 
 def test_the_benchmark_child_dies_with_its_agent(tmp_path):

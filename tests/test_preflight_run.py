@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -117,3 +118,30 @@ def test_check_preflight_runs_the_check_alone_and_tells_a_hung_node(tmp_path, ma
     timeline = events(tmp_path)
     assert not any(e["kind"] in ("node_replaced", "rendezvous_completed") for e in timeline)
     assert not list(tmp_path.glob("planaria-runs/*/logs/rank-*.log"))  # no worker started
+
+
+def test_an_all_pass_preflight_says_so_in_one_line(tmp_path, mark):
+    config = job(
+        tmp_path,
+        job={"nodes": 2, "procs_per_node": 1},
+        scheduler={"backend": "local", "options": {"hosts": 0}},
+        diagnosis={**PREFLIGHT, "preflight": False},
+    )
+    env = {**os.environ, MARK: mark, "COLUMNS": "200"}
+    planaria = str(Path(sys.executable).parent / "planaria")
+    result = subprocess.run(
+        [planaria, "check", "--preflight", "-c", str(config)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    (line,) = [ln for ln in result.stdout.splitlines() if ln.startswith("pre-flight:")]
+    assert re.fullmatch(
+        r"pre-flight: all 2 nodes passed in 1 round \(matmul: slowest [\d.]+ ms on node-[01], "
+        r"median [\d.]+ ms\)",
+        line,
+    ), line
+    assert "┃" not in result.stdout  # no table

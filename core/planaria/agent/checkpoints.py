@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from planaria import process
 from planaria.checkpoint import persister
 from planaria.checkpoint.env import (
     KEEP_LAST_ENV,
@@ -93,13 +94,13 @@ class NodeCheckpoints:
             argv = persister.command(
                 self.socket_path, self.spec.storage, self.spec.keep_last, self.prefix
             )
-            self._process = subprocess.Popen(
+            # Its own session: a signal to the agent's process group must not cut a persist
+            # short. It follows the agent itself (--parent), to finish a persist first.
+            self._process = process.popen(
                 [*argv, "--events-fd", str(write_fd)],
+                die_with_parent=False,
                 pass_fds=(write_fd,),
                 stdin=subprocess.DEVNULL,
-                # Its own session: a signal to the agent's process group must not cut a persist
-                # short; it exits by itself once the agent is gone.
-                start_new_session=True,
             )
         except BaseException:
             os.close(read_fd)
@@ -116,9 +117,9 @@ class NodeCheckpoints:
         """Restart the persister whenever it dies before :meth:`stop`, and report it."""
         quick = 0
         while True:
-            process, started = self._process, time.monotonic()
-            assert process is not None
-            code = process.wait()
+            proc, started = self._process, time.monotonic()
+            assert proc is not None
+            code = proc.wait()
             if self._stopping.is_set():
                 return
             why = _describe(code)
@@ -180,15 +181,15 @@ class NodeCheckpoints:
         """Stop the persister once it has written what it was asked, then free the memory."""
         with self._lock:
             self._stopping.set()
-            process = self._process
-        if process is not None and process.poll() is None:
-            process.send_signal(signal.SIGTERM)
+            proc = self._process
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
             try:
-                process.wait(timeout)
+                proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                log.warning("persister did not stop; killing it", pid=process.pid)
-                process.kill()
-                process.wait()
+                log.warning("persister did not stop; killing it", pid=proc.pid)
+                proc.kill()
+                proc.wait()
         for thread in [self._supervisor, *self._readers]:
             if thread is not None:
                 thread.join(timeout=5)

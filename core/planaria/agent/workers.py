@@ -2,7 +2,8 @@
 
 Every worker runs in its own session (stopping it kills its whole process group, e.g. its
 dataloader processes too), with PR_SET_PDEATHSIG=SIGKILL (it dies with its parent, even when the
-agent is SIGKILLed), stdin from /dev/null and stdout+stderr appended to its log file.
+agent is SIGKILLed; set as :mod:`planaria.process` says), stdin from /dev/null and stdout+stderr
+appended to its log file.
 
 A plain Python command (``python [-u -O -B] script.py ...``, ``-m module``, ``-c code``) run by
 this very interpreter goes through a warm zygote (:mod:`planaria.agent.zygote`): one
@@ -25,11 +26,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from planaria import process
 from planaria.agent import zygote as _zygote
 from planaria.agent.program import (
     PythonProgram,
@@ -116,26 +118,6 @@ def read_log_tail(path: Path, max_lines: int = 40, max_bytes: int = 8192) -> str
     return "\n".join(lines)
 
 
-def _groups_alive(pgids: set[int]) -> bool:
-    """Whether any non-zombie process is in one of these process groups (empties dropped)."""
-    for pgid in list(pgids):
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            pgids.discard(pgid)  # the common, cheap case: nobody left at all
-        except PermissionError:
-            pass
-    for entry in os.scandir("/proc") if pgids else ():
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                state, _, pgrp = f.read().rsplit(b")", 1)[1].split()[:3]
-        except (OSError, IndexError, ValueError):
-            continue
-        if state not in (b"Z", b"X") and int(pgrp) in pgids:
-            return True
-    return False
-
-
 class _Worker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec, self.pid, self.stopping, self.order = spec, 0, False, 0
@@ -150,7 +132,7 @@ class _Worker:
         if self.done or self.pid <= 0:
             return
         if group:
-            _zygote.signal_group(self.pid, sig)
+            process.signal_group(self.pid, sig, leader=True)
         else:
             with contextlib.suppress(OSError):
                 os.kill(self.pid, sig)
@@ -159,7 +141,7 @@ class _Worker:
         if self.done:
             return
         if clean_group:  # kill what it left behind in its process group
-            _zygote.signal_group(self.pid, signal.SIGKILL, leader_alive=False)
+            process.signal_group(self.pid, signal.SIGKILL)
         self.order = next(_order)
         tail = read_log_tail(self.spec.log_path)
         rank, stopped = self.spec.local_rank, self.stopping
@@ -213,14 +195,7 @@ class WorkerGroup:
 
     async def _stop(self) -> list[WorkerExit]:
         running = [w for w in self._workers.values() if not w.done]
-        await _terminate(running, signal.SIGTERM, self.stop_grace)
-        pgids = {w.pid for w in running}
-        for _ in range(100):  # their children got SIGKILL when the leader exited: wait for it
-            if not _groups_alive(pgids):
-                break
-            for pgid in pgids:
-                _zygote.signal_group(pgid, signal.SIGKILL, leader_alive=False)
-            await asyncio.sleep(0.01)
+        await _terminate(running, self.stop_grace)
         return [w.future.result() for w in sorted(running, key=lambda w: w.order)]
 
     def exits(self) -> list[WorkerExit]:
@@ -233,24 +208,20 @@ class WorkerGroup:
         self._workers[local_rank].signal(sig, group=False)
 
 
-async def _terminate(workers: Sequence[_Worker], sig: int, grace: float) -> None:
-    """Send ``sig`` to the workers' groups, SIGKILL after ``grace``; wait until they are gone."""
+async def _terminate(workers: Sequence[_Worker], grace: float) -> None:
+    """End the workers' process groups (SIGTERM, SIGKILL after ``grace``: 0 kills at once) and
+    wait until the groups are empty and every exit is seen."""
     for w in workers:
         w.stopping = True
-    for w in workers:
-        w.signal(sig)
-        if sig != signal.SIGKILL:
-            w.signal(signal.SIGCONT)  # a stopped worker (SIGSTOP, a debugger) acts on it now
+    pgids = {w.pid for w in workers if not w.done and w.pid > 0}
+    # In a thread: the exits it waits for are reported through this event loop.
+    stuck = await asyncio.to_thread(process.kill_groups, pgids, grace, kill_wait=KILL_TIMEOUT)
     pending = {w.future for w in workers if not w.done}
-    if pending and sig != signal.SIGKILL:
-        _, pending = await asyncio.wait(pending, timeout=grace)
-        for w in workers:
-            w.signal(signal.SIGKILL)
-    if pending:
+    if pending and not stuck:  # gone: their exits are on the way (the zygote, the watcher)
         _, pending = await asyncio.wait(pending, timeout=KILL_TIMEOUT)
-    if pending:
-        stuck = sorted(w.pid for w in workers if not w.done)
-        raise WorkerStopError(f"worker processes {stuck} survived SIGKILL for {KILL_TIMEOUT}s")
+    if stuck or pending:
+        left = sorted(stuck | {w.pid for w in workers if not w.done})
+        raise WorkerStopError(f"worker processes {left} survived SIGKILL for {KILL_TIMEOUT}s")
 
 
 class _ZygoteClient:
@@ -279,9 +250,10 @@ class _ZygoteClient:
         argv = [sys.executable, *p.flags, "-c", _zygote.BOOTSTRAP, zygote_file, json.dumps(config)]
         self._sock = ours  # close() closes it if we fail or are cancelled before the end
         try:
-            self.proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=subprocess.DEVNULL, stdout=2, cwd=lau.cwd, env=lau.base_env,
-                pass_fds=(theirs.fileno(),), start_new_session=True,
+            # It sets its own death signal (it is told the parent's pid): no trampoline.
+            self.proc = await process.spawn(
+                argv, die_with_parent=False, stdin=subprocess.DEVNULL, stdout=2, cwd=lau.cwd,
+                env=lau.base_env, pass_fds=(theirs.fileno(),),
             )  # fmt: skip
         finally:
             theirs.close()
@@ -344,7 +316,7 @@ class _ZygoteClient:
         results = await asyncio.gather(*futures, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            await _terminate([w for w in workers if w.pid > 0], signal.SIGKILL, 0.0)
+            await _terminate([w for w in workers if w.pid > 0], 0.0)
             raise errors[0]
         return workers
 
@@ -369,19 +341,6 @@ class _ZygoteClient:
         if self._reader is not None:
             await self._reader
         self.alive = False
-
-
-def _pdeathsig_preexec(parent: int) -> Callable[[], None]:
-    """A ``preexec_fn`` (between fork and exec) that makes the child die with ``parent``. It
-    must not take locks or load libraries there: libc's prctl is resolved beforehand."""
-    prctl = _zygote.libc().prctl
-
-    def preexec() -> None:
-        prctl(_zygote.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return preexec
 
 
 class WorkerLauncher:
@@ -503,16 +462,16 @@ class WorkerLauncher:
         argv = list(self.command)
         if is_python(argv[0]) and not (self.program and any("u" in f for f in self.program.flags)):
             argv.insert(1, "-u")  # unbuffered: the log stays current
-        preexec, workers = _pdeathsig_preexec(os.getpid()), []
+        workers: list[_Worker] = []
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
         try:
             for spec in specs:
                 worker = _Worker(spec)
                 fd = os.open(spec.log_path, flags, 0o600)
                 try:  # this forks in the event loop's thread: see the module's docstring
-                    proc = await asyncio.create_subprocess_exec(
-                        *argv, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
-                        cwd=self.cwd, env=spec.env, start_new_session=True, preexec_fn=preexec,
+                    proc = await process.spawn(
+                        argv, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
+                        cwd=self.cwd, env=spec.env,
                     )  # fmt: skip
                 finally:
                     os.close(fd)
@@ -520,7 +479,7 @@ class WorkerLauncher:
                 worker.watcher = asyncio.ensure_future(self._watch(worker, proc))
                 workers.append(worker)
         except (OSError, subprocess.SubprocessError) as exc:
-            await _terminate(workers, signal.SIGKILL, 0.0)
+            await _terminate(workers, 0.0)
             raise WorkerStartRefused(f"cannot start {argv[0]!r}: {exc}") from exc
         return workers
 

@@ -15,14 +15,14 @@ Agent -> zygote: ``{"op": "spawn", "id", "local_rank", "env", "log_path"}``, ``{
 
 Standard library only (and setproctitle's C function, where installed): the zygote loads this
 file by path, without the ``planaria`` package, so that the workers' ``sys.modules`` stays close
-to a fresh interpreter's.
+to a fresh interpreter's; likewise :mod:`planaria.process`, which sets the death signals.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
+import importlib.util
 import io
 import json
 import os
@@ -35,27 +35,28 @@ import traceback
 import types
 from collections.abc import Callable, Mapping
 from importlib import import_module
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 PR_SET_CHILD_SUBREAPER = 36
-_libc: Any = None
 _setproctitle: Callable[[str], None] | None = None
 
 
-def libc() -> Any:
-    """The C library, loaded once (load it before forking: a child should not dlopen)."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    return _libc
+def _load_by_path(name: str, path: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
-def prctl(option: int, arg: int) -> None:
-    if libc().prctl(option, ctypes.c_ulong(arg), 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
+if TYPE_CHECKING or __name__ != "_planaria_zygote":
+    from planaria import process
+else:  # the zygote itself (see BOOTSTRAP): the one planaria module it needs, by path
+    process = _load_by_path(
+        "_planaria_process", os.path.join(os.path.dirname(os.path.dirname(__file__)), "process.py")
+    )
 
 
 def load_setproctitle() -> Callable[[str], None] | None:
@@ -94,28 +95,7 @@ def set_title(title: str) -> None:
             pass
         finally:
             os.environ.pop("SPT_NOENV", None)
-    name = ctypes.create_string_buffer(title.encode(errors="replace")[:15])
-    libc().prctl(PR_SET_NAME, name, 0, 0, 0)
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Get SIGKILL when the parent (thread) dies; die now if it is already gone."""
-    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # it died before prctl took effect
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def signal_group(pid: int, sig: int, *, leader_alive: bool = True) -> None:
-    """Signal the process group led by ``pid``. If there is no such group and the leader is
-    still ours (not yet reaped, so its pid cannot have been reused), signal just ``pid``."""
-    if pid <= 0:  # 0 and -1 would mean our own group, or every process we may signal
-        return
-    try:
-        os.killpg(pid, sig)
-    except OSError:
-        if leader_alive:
-            with contextlib.suppress(OSError):
-                os.kill(pid, sig)
+    process.prctl(PR_SET_NAME, title.encode(errors="replace")[:15])
 
 
 def _send(sock: socket.socket, message: Mapping[str, Any]) -> None:
@@ -140,7 +120,7 @@ def _child(config: Mapping[str, Any], req: Mapping[str, Any], handshake: int) ->
             with contextlib.suppress(Exception):  # cosmetic: never a reason not to start
                 set_title(str(config["title"]))
         os.setsid()
-        die_with_parent(zygote)
+        process.die_with(zygote)
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
             signal.signal(sig, signal.SIG_DFL)
@@ -407,7 +387,7 @@ class Zygote:
                 {"type": "spawned", "id": req["id"], "pid": pid, "local_rank": req["local_rank"]},
             )
         else:
-            signal_group(pid, signal.SIGKILL)
+            process.signal_group(pid, signal.SIGKILL, leader=True)
             why = reply[1:].decode(errors="replace") or "the child died while starting"
             _send(self.sock, {"type": "error", "id": req["id"], "error": why})
 
@@ -422,7 +402,7 @@ class Zygote:
             rid = self.children.pop(pid, None)
             if rid is None:
                 continue  # an orphaned grandchild (we are a subreaper) or a failed start
-            signal_group(pid, signal.SIGKILL, leader_alive=False)  # what it left in its group
+            process.signal_group(pid, signal.SIGKILL)  # what it left in its group
             sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
             code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
             msg = {"type": "exited", "id": rid, "pid": pid, "exitcode": code, "signal": sig}
@@ -430,7 +410,7 @@ class Zygote:
 
     def shutdown(self) -> None:
         for pid in self.children:
-            signal_group(pid, signal.SIGKILL)
+            process.signal_group(pid, signal.SIGKILL, leader=True)
         deadline = time.monotonic() + 5.0
         while self.children and time.monotonic() < deadline:
             try:
@@ -443,12 +423,12 @@ class Zygote:
 def main(raw_config: str) -> None:
     global _setproctitle
     config = json.loads(raw_config)
-    die_with_parent(int(config["parent"]))
+    process.die_with(int(config["parent"]))
     _setproctitle = load_setproctitle()
     with contextlib.suppress(Exception):  # its argv holds the program: pgrep -f would find it
         set_title(f"planaria zygote (warm interpreter of agent {config['parent']})")
     with contextlib.suppress(OSError):
-        prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphaned grandchildren come to us to be reaped
+        process.prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphaned grandchildren come to us to be reaped
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent decides when workers stop
     sock = socket.socket(fileno=int(config["fd"]))
     if not getattr(sys.flags, "safe_path", False):  # preloads resolve as workers' imports do

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from planaria import monitor
+from planaria import monitor, process
 from planaria.checkpoint import persister
 from planaria.checkpoint.env import (
     KEEP_LAST_ENV,
@@ -267,11 +267,12 @@ class Checkpointer:
         assert self._private is not None
         self._tmpdir = str(self._private)
         path = os.path.join(self._tmpdir, "persister.sock")
-        self._process = subprocess.Popen(
+        # It follows this process itself (--parent), to finish a persist first.
+        self._process = process.popen(
             persister.command(path, self.spec, self.keep_last, str(self.segment_path)),
+            die_with_parent=False,
             stdout=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
-            start_new_session=True,
         )
         assert self._process.stdout is not None
         ready, _, _ = select.select([self._process.stdout], [], [], 60)

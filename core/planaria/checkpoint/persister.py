@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
 import queue
@@ -50,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from planaria import process
 from planaria.checkpoint.committer import Commit, Committer
 from planaria.checkpoint.persisted import PersistedCheckpoints
 from planaria.checkpoint.segment import Segment, SlotInfo, remove_segments
@@ -343,9 +343,6 @@ def ask(sock: socket.socket, reader: Any, message: dict[str, Any], expect: str) 
     return reply
 
 
-_PR_SET_PDEATHSIG = 1
-
-
 def _follow_parent(pid: int, done: threading.Event) -> None:
     """Set ``done`` once process ``pid`` (the parent) is gone. The kernel tells at once
     (SIGHUP, PR_SET_PDEATHSIG); it also tells when only the thread that started this process
@@ -357,8 +354,7 @@ def _follow_parent(pid: int, done: threading.Event) -> None:
 
     if sys.platform == "linux":
         signal.signal(signal.SIGHUP, parent_gone)
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGHUP))
+        process.die_with(pid, signal.SIGHUP)
 
     def poll() -> None:
         while not done.is_set():

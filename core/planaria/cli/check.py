@@ -68,6 +68,10 @@ def _preflight(resolved: ResolvedConfig, manager: PluginManager, json: bool) -> 
                 "nodes": report.nodes,
                 "rounds": report.rounds,
                 "baseline": report.baseline,
+                "slowest": {
+                    measure: {"node": node, "seconds": seconds}
+                    for measure, (node, seconds) in report.slowest.items()
+                },
                 "verdicts": [
                     {
                         "node": v.node,

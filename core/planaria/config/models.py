@@ -341,7 +341,8 @@ class DiagnosisSection(Section):
     preflight_factor: float | None = Field(
         default=None,
         gt=1.0,
-        description="a node is slow above this times the median; default: straggler_factor",
+        description="a node is slow when a measure exceeds this times the other nodes' median; "
+        "default: straggler_factor",
     )
     preflight_timeout: Duration = Field(
         default=60.0, description="one benchmark run: start-up, forming the group, the benchmark"
@@ -351,7 +352,12 @@ class DiagnosisSection(Section):
         description="replace the nodes the pre-flight finds slow; default: replace_stragglers",
     )
     hang_timeout: Duration = 300.0
-    straggler_factor: float = Field(default=2.0, gt=1.0)
+    straggler_factor: float = Field(
+        default=2.0,
+        gt=1.0,
+        description="a rank is a straggler when its median step time exceeds this times the "
+        "other ranks' median",
+    )
     first_step_timeout: Duration | None = Field(
         default=None,
         description="a hang before the first step of an attempt (start-up, checkpoint "

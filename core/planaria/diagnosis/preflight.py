@@ -55,6 +55,9 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Slowness:
+    """A measure above ``factor`` x ``baseline``: the median of the other nodes compared (round
+    1: every other node that completed; round 2: the known-good nodes)."""
+
     measure: str
     seconds: float
     baseline: float
@@ -65,8 +68,8 @@ class Slowness:
 
     def describe(self) -> str:
         return (
-            f"{self.measure} {self.seconds * 1000:.1f} ms, {self.ratio:.1f}x the median "
-            f"({self.baseline * 1000:.1f} ms)"
+            f"{self.measure} {self.seconds * 1000:.1f} ms, {self.ratio:.1f}x the other nodes' "
+            f"median ({self.baseline * 1000:.1f} ms)"
         )
 
 
@@ -98,6 +101,17 @@ def baseline(outcomes: Iterable[Outcome]) -> dict[str, float]:
             for name, value in outcome.measures.items():
                 values.setdefault(name, []).append(value)
     return {name: statistics.median(v) for name, v in sorted(values.items())}
+
+
+def slowest_per_measure(outcomes: Iterable[Outcome]) -> dict[str, tuple[str, float]]:
+    """Per measure, the node that took longest among those that completed, and its time."""
+    found: dict[str, tuple[str, float]] = {}
+    for outcome in outcomes:
+        if outcome.ok:
+            for name, value in outcome.measures.items():
+                if name not in found or value > found[name][1]:
+                    found[name] = (outcome.node, value)
+    return dict(sorted(found.items()))
 
 
 def slowest(outcome: Outcome, pool: Iterable[Outcome], factor: float) -> Slowness | None:

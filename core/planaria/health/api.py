@@ -12,7 +12,7 @@ from enum import Enum
 from pathlib import Path
 from typing import ClassVar, Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator
 
 from planaria.plugin.records import PluginKind, PluginRecord
 
@@ -61,6 +61,20 @@ class DeviceResult(BaseModel):
     detail: str = ""
     metrics: dict[str, StrictInt | StrictFloat] = Field(default_factory=dict)
     """Numbers only: a boolean or a numeric string is a mistake of the check, not a metric."""
+
+    @field_validator("status")
+    @classmethod
+    def _not_error(cls, status: Status) -> Status:
+        # ``error`` says the check itself reached no verdict: only the runner knows that, from
+        # the check raising or overrunning its timeout. A device is judged, never ``error``.
+        if status is Status.ERROR:
+            raise ValueError(
+                "a device's status cannot be 'error': that is the runner's verdict on a check "
+                "that raised or timed out. Give 'failed' to a device that is bad or cannot be "
+                "verified, or raise planaria.errors.HealthCheckError when the check cannot "
+                "decide at all"
+            )
+        return status
 
 
 class CheckContext(BaseModel):

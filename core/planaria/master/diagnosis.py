@@ -233,6 +233,6 @@ class Diagnosis:
             action=f"replace the node, exclude host {node.host}",
             last_step=node.step,
             fault_class=FaultClass.NODE.value,
-            reason=f"{straggler.metric} time {straggler.ratio:.1f}x the median",
+            reason=f"{straggler.metric} time {straggler.ratio:.1f}x the other ranks' median",
         )
         master._lose_node(node, fault, exclude_host=True)

@@ -36,6 +36,7 @@ from planaria.diagnosis.preflight import (
     groups_of,
     judge,
     regroup,
+    slowest_per_measure,
     suspects_of,
 )
 from planaria.events import EventKind
@@ -74,6 +75,9 @@ class PreflightReport:
     nodes: int = 0
     rounds: int = 0
     baseline: dict[str, float] = field(default_factory=dict)
+    """Per measure, the good nodes' median."""
+    slowest: dict[str, tuple[str, float]] = field(default_factory=dict)
+    """Per measure, the slowest good node and its time."""
     verdicts: list[Verdict] = field(default_factory=list)
     hosts: dict[str, str] = field(default_factory=dict)
     actions: dict[str, str] = field(default_factory=dict)
@@ -445,6 +449,7 @@ class Preflight:
         self.stage = "done"
         report = self.report
         report.baseline = baseline(self.pool)
+        report.slowest = slowest_per_measure(self.pool)
         report.nodes = len(self.checked)
         faulty = [v for v in report.verdicts if v.kind == "faulty"]
         slow = [v for v in report.verdicts if v.kind == "straggler"]

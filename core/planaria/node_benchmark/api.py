@@ -2,13 +2,18 @@
 
 A benchmark times the node's compute and its collective library in a small group of nodes
 (two, three when the count is odd, or one). It runs in a child process of the agent, one process
-per node of the group, with torch.distributed's environment for that group only
-(``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``), and must finish within
-``context.timeout`` seconds: the agent kills it after that, and the master counts a timeout.
+per node of the group, and must finish within ``context.timeout`` seconds: the agent kills it
+after that, and the master counts a timeout. The group is in the :class:`BenchmarkContext`
+only: the child's environment is the agent's, unchanged, with no ``MASTER_ADDR``,
+``MASTER_PORT``, ``RANK`` or ``WORLD_SIZE`` set for the group (one there came from whatever
+started the agent). Pass the context's values to your library (``init_method="tcp://..."``),
+or set them in ``os.environ`` first for an ``env://`` init, as the built-in ``cpu`` benchmark
+does.
 
 A benchmark returns *measures*: named durations in seconds, lower is better, comparable across
-nodes. The master compares each with the median over all nodes; a node above
-``diagnosis.preflight_factor`` times it is a suspect (see :mod:`planaria.diagnosis.preflight`).
+nodes. The master compares each with the median of the other nodes' (in round 2, of the nodes
+found good); a node above ``diagnosis.preflight_factor`` times it is a suspect (see
+:mod:`planaria.diagnosis.preflight`).
 Put there only what tells a slow node from a fast one; anything else goes in ``info``.
 """
 
@@ -42,7 +47,8 @@ class BenchmarkResult(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     measures: dict[str, float] = Field(
-        default_factory=dict, description="seconds, lower is better: judged against the median"
+        default_factory=dict,
+        description="seconds, lower is better: judged against the other nodes' median",
     )
     info: dict[str, float | int | str] = Field(
         default_factory=dict, description="reported as is, never judged"
@@ -51,7 +57,8 @@ class BenchmarkResult(BaseModel):
 
 @dataclass(frozen=True)
 class BenchmarkContext:
-    """The group a benchmark runs in, and the time it has."""
+    """The group a benchmark runs in, and the time it has: the only place that says so (the
+    process's environment holds no torch.distributed variables for the group)."""
 
     node_id: str
     host: str

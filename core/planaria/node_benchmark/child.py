@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Any
 
+from planaria import process
 from planaria.chaos import InjectedFault
 from planaria.diagnosis.messages import BenchmarkRun
 from planaria.node_benchmark.api import BenchmarkContext, NodeBenchmark
@@ -53,9 +54,7 @@ def run(order: BenchmarkRun) -> str:
 
 
 def main(argv: list[str]) -> None:
-    from planaria.agent.zygote import die_with_parent
-
-    die_with_parent(int(argv[0]))
+    process.die_with(int(argv[0]))
     print(run(BenchmarkRun.model_validate_json(sys.stdin.read())), flush=True)
 
 

@@ -23,23 +23,19 @@ have at most ``max_nodes`` nodes (by default 4 per CPU), and as many workers as
 :mod:`planaria.capacity` allows for this machine's CPUs and process table; this is checked when
 the config loads, and the node count again at every launch. A fork storm is refused, not begun.
 
-The death signal is set by a tiny trampoline (``python -I -S -c ...``) that calls ``prctl`` and
-then ``exec``s the command, so the pid the scheduler watches is the agent's own. A
-``preexec_fn`` would run Python code between ``fork`` and ``exec`` in a multi-threaded process,
-which can deadlock. Only the agent gets the death signal; the agent arranges the same for the
-workers it starts.
+Nodes are started, and their groups killed, through :mod:`planaria.process` (which says how
+the death signal is set in a threaded process); the pid the scheduler watches is the agent's own.
+Only the agent gets the death signal; the agent arranges the same for the workers it starts.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import select
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -48,6 +44,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from planaria import process
 from planaria.capacity import process_headroom, shortfall, usable_cpus
 from planaria.durations import Duration
 from planaria.errors import ConfigIssue, SchedulerError
@@ -65,33 +62,8 @@ from planaria.shm import node_dir, remove_dir
 
 log = get_logger("scheduler.local")
 
-# How often to look again where no file descriptor can wake us: a node without a pidfd (old
-# kernel) while polling, and a process group draining while stopping.
+# How often to look again for a node without a pidfd (old kernel): nothing can wake us.
 _POLL_INTERVAL = 0.01
-_STOP_INTERVAL = 0.02
-# After SIGKILL a group's processes normally vanish within milliseconds; one stuck in the kernel
-# (uninterruptible I/O) is reported rather than waited for forever.
-_KILL_WAIT = 5.0
-
-# Runs in the child: set the death signal, make sure the parent did not die before it was set,
-# then become the agent. argv: ["-c", parent pid, command...].
-_TRAMPOLINE = """\
-import os, sys
-try:
-    import ctypes
-    ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
-except Exception:
-    pass
-if os.getppid() != int(sys.argv[1]):
-    os.kill(os.getpid(), 9)
-try:
-    os.execvp(sys.argv[2], sys.argv[2:])
-except OSError as error:
-    sys.stderr.write("planaria: cannot run %r: %s\\n" % (sys.argv[2], error))
-    sys.stderr.flush()
-    os._exit(127)
-"""
-
 
 NODES_PER_CPU = 4
 MIN_MAX_NODES = 8
@@ -174,40 +146,9 @@ def _has_exited(pid: int) -> bool:
     its pid, which is also its process group's id, cannot be reused, so the group can still be
     signalled safely."""
     try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        return process.has_exited(pid)
     except ChildProcessError:
         raise _ReapedElsewhere from None
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-def _live_groups(pgids: set[int]) -> set[int] | None:
-    """Which of ``pgids`` still have a live (non-zombie) process, from /proc; ``None`` where
-    /proc cannot be read."""
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return None
-    live: set[int] = set()
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:  # it exited meanwhile
-            continue
-        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) < 3 or fields[0] in (b"Z", b"X", b"x"):
-            continue
-        pgrp = int(fields[2])
-        if pgrp in pgids:
-            live.add(pgrp)
-    return live
 
 
 def _exit_event(node_id: str, returncode: int) -> NodeEvent:
@@ -478,7 +419,6 @@ class LocalScheduler(Scheduler[LocalOptions]):
 
     def _start(self, spec: LaunchSpec, host: str, node_id: str) -> _Node:
         env = {**os.environ, **spec.env, "PLANARIA_NODE_ID": node_id, "PLANARIA_HOST": host}
-        argv = [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), *spec.command]
         try:
             log_fd = None if spec.log_dir is None else _open_log(spec.log_dir, node_id)
         except OSError as exc:
@@ -486,13 +426,8 @@ class LocalScheduler(Scheduler[LocalOptions]):
                 f"cannot open the log of {node_id} in {spec.log_dir}: {exc}"
             ) from exc
         try:
-            proc = subprocess.Popen(
-                argv,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log_fd,
-                stderr=log_fd,
-                start_new_session=True,
+            proc = process.popen(
+                spec.command, env=env, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd
             )
         except OSError as exc:
             raise SchedulerError(f"cannot start {node_id} ({spec.command[0]}): {exc}") from exc
@@ -540,7 +475,7 @@ class LocalScheduler(Scheduler[LocalOptions]):
             else:
                 # The agent is gone but not yet reaped, so its group id is still its own:
                 # whatever the agent left in its group goes with it, as with a lost machine.
-                _signal_group(node.pid, signal.SIGKILL)
+                process.signal_group(node.pid, signal.SIGKILL)
                 self._collect(node)
                 event = _exit_event(node.node_id, node.proc.returncode)
             node.state = event.state
@@ -572,8 +507,8 @@ class LocalScheduler(Scheduler[LocalOptions]):
         poller.poll(math.floor(remaining * 1000))
 
     def _terminate(self, nodes: list[_Node], grace: float) -> None:
-        """SIGTERM the groups, SIGKILL them after ``grace``, reap the agents and wait until no
-        process of the groups is left. Only groups whose agent is still unreaped are
+        """SIGTERM the groups, SIGKILL them after ``grace``, wait until no process of the groups
+        is left, then reap the agents. Only groups whose agent is still unreaped are
         signalled: their id cannot belong to anyone else."""
         nodes = [n for n in nodes if not n.reaped]
         for node in list(nodes):
@@ -584,36 +519,16 @@ class LocalScheduler(Scheduler[LocalOptions]):
                 nodes.remove(node)
         if not nodes:
             return
-        pgids = {n.pid for n in nodes}
-        if grace > 0:
-            for node in nodes:
-                _signal_group(node.pid, signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline and self._any_alive(nodes, pgids):
-                time.sleep(_STOP_INTERVAL)
-        for node in nodes:
-            _signal_group(node.pid, signal.SIGKILL)
+        left = process.kill_groups({n.pid for n in nodes}, grace)
+        # Only now are the agents reaped: until then their group ids could not be reused.
         for node in nodes:
             self._collect(node)
             log.info("node stopped", node=node.node_id, returncode=node.proc.returncode)
-        # The agents are reaped; their orphans are being killed and reaped by init.
-        deadline = time.monotonic() + _KILL_WAIT
-        while (left := _live_groups(pgids)) and time.monotonic() < deadline:
-            time.sleep(_STOP_INTERVAL / 4)
         if left:
             log.warning(
                 "processes of stopped nodes survived SIGKILL",
                 nodes=[n.node_id for n in nodes if n.pid in left],
             )
-
-    def _any_alive(self, nodes: list[_Node], pgids: set[int]) -> bool:
-        live = _live_groups(pgids)
-        if live is not None:
-            return bool(live)
-        try:  # no /proc: watch the agents only
-            return any(not _has_exited(n.pid) for n in nodes)
-        except _ReapedElsewhere:
-            return True  # the SIGKILL that follows is sent to unreaped groups only
 
 
 @hookimpl

@@ -136,12 +136,12 @@ def test_npu_smi_broken_row(fake_npu_smi: FakeNpuSmi, context: CheckContext) -> 
         run(context)
 
 
-def test_one_chip_query_failing_is_that_chip_s_error(
+def test_one_chip_query_failing_fails_that_chip_alone(
     fake_npu_smi: FakeNpuSmi, context: CheckContext
 ) -> None:
     fake_npu_smi(ecc={4: "garbage.txt"})
     results = run(context)
-    assert results["npu4"].status is Status.ERROR
+    assert results["npu4"].status is Status.FAILED  # it cannot be verified
     assert results["npu4"].detail.startswith(
         "cannot understand the output of npu-smi info -t ecc -i 4 -c 0: no 'Key : value' line"
     )

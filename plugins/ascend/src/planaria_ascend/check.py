@@ -189,8 +189,9 @@ class AscendCheck(HealthCheck[AscendOptions]):
         except CommandCancelled:
             raise
         except HealthCheckError as exc:
-            # One chip's query failing says nothing of the others.
-            findings.problems.append((Status.ERROR, str(exc)))
+            # One chip's query failing says nothing of the others; that chip cannot be
+            # verified, so it is not trusted ('error' is the runner's verdict on a check).
+            findings.problems.append((Status.FAILED, str(exc)))
             temperature = None
         usage = chip.usage("HBM-Usage(MB)") or chip.usage("Memory-Usage(MB)")
         if usage is not None:
@@ -207,7 +208,7 @@ class AscendCheck(HealthCheck[AscendOptions]):
             return
         if status is None:
             findings.problems.append(
-                (Status.ERROR, f"npu-smi reports an unknown health {chip.health!r}")
+                (Status.FAILED, f"npu-smi reports an unknown health {chip.health!r}")
             )
             return
         fields = self._query(smi, "health", chip)

@@ -3,8 +3,6 @@ timeout. Whatever the tool starts is killed with it: a check leaves no process b
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import subprocess
 import threading
@@ -12,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from planaria.errors import HealthCheckError
+from planaria.process import popen, signal_group
 
 
 @dataclass(frozen=True)
@@ -34,11 +33,6 @@ class CommandCancelled(HealthCheckError):
     """The check was cancelled while the command ran; its process group was killed."""
 
 
-def _kill_group(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
-
-
 class Runner:
     """Runs one command at a time and can kill it from another thread (:meth:`cancel`)."""
 
@@ -55,26 +49,26 @@ class Runner:
         with self._lock:
             if self._cancelled:
                 raise CommandCancelled(f"{argv[0]} was not started: the check was cancelled")
-            process = subprocess.Popen(
+            # It dies with this thread, which waits for it: a killed agent leaves no tool.
+            process = popen(
                 list(argv),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 env=None if env is None else dict(env),
-                start_new_session=True,
             )
             self._process = process
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(process.pid)
+            signal_group(process.pid, signal.SIGKILL)
             process.communicate()
             raise CommandTimeout(
                 f"{' '.join(argv)} did not finish within {timeout:g}s; it was killed"
             ) from None
         finally:
             # Children it left running die with it, whatever happened.
-            _kill_group(process.pid)
+            signal_group(process.pid, signal.SIGKILL)
             with self._lock:
                 self._process = None
         if self._cancelled:
@@ -90,4 +84,4 @@ class Runner:
             self._cancelled = True
             process = self._process
         if process is not None:
-            _kill_group(process.pid)
+            signal_group(process.pid, signal.SIGKILL)

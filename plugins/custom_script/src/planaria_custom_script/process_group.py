@@ -3,7 +3,9 @@
 A health-check script may start helpers (``nvidia-smi``, a background ``sleep``), so stopping
 only the script would leave them running and holding its output pipes open. The script runs as
 the leader of a new session; everything it starts stays in that group unless it escapes on
-purpose, and :meth:`ProcessGroup.kill` signals the whole group.
+purpose, and :meth:`ProcessGroup.kill` ends the whole group (:mod:`planaria.process`). It also
+dies with the thread that runs the check, which waits for it: an agent killed mid-check leaves
+no script behind.
 
 The leader is not reaped until the group has been killed: while it is a zombie its pid, which is
 the group id, cannot be given to an unrelated process, so ``killpg`` never hits a stranger.
@@ -21,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
+
+from planaria import process
 
 STDOUT_LIMIT = 1 << 20
 """Bytes of stdout kept; the protocol needs one short line per device."""
@@ -92,15 +96,13 @@ class ProcessGroup:
 
     def start(self) -> None:
         """Start the process; raises ``OSError`` or ``ValueError`` when it cannot be."""
-        proc = subprocess.Popen(
+        proc = process.popen(
             self._argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             cwd=self._cwd,
             env=self._env,
-            start_new_session=True,
-            close_fds=True,
         )
         assert proc.stdout is not None and proc.stderr is not None
         self._proc = proc
@@ -127,9 +129,8 @@ class ProcessGroup:
         with self._lock:
             if self._proc is None or self._reaped:
                 return
-            self._signal(signal.SIGTERM)
-            self.wait(self._kill_grace)
-            self._signal(signal.SIGKILL)
+            # The leader is not reaped before finish(): its group id stays ours meanwhile.
+            process.kill_group(self._proc.pid, self._kill_grace)
 
     def finish(self) -> Outcome:
         """Kill what the leader left in its group, reap the leader and collect the output.
@@ -140,15 +141,10 @@ class ProcessGroup:
         assert proc is not None, "finish() before start()"
         with self._lock:
             if not self._reaped:
-                self._signal(signal.SIGKILL)
+                process.signal_group(proc.pid, signal.SIGKILL)
                 proc.wait()
                 self._reaped = True
         deadline = time.monotonic() + DRAIN_TIMEOUT
         stdout = self._stdout.join(deadline)
         stderr = self._stderr.join(deadline)
         return Outcome(proc.returncode, stdout, stderr, self._stdout.truncated)
-
-    def _signal(self, sig: signal.Signals) -> None:
-        assert self._proc is not None
-        with contextlib.suppress(ProcessLookupError):  # the group is already empty
-            os.killpg(self._proc.pid, sig)

@@ -89,8 +89,8 @@ class _Probe:
             self.unsupported.append(what)
         elif exc.value in GPU_BROKEN:
             self.problem(Status.FAILED, f"{what}: {exc} (NVML error {exc.value})")
-        else:
-            self.problem(Status.ERROR, f"reading {what} failed: {exc} (NVML error {exc.value})")
+        else:  # a GPU that cannot be verified is not trusted ('error' is the runner's)
+            self.problem(Status.FAILED, f"reading {what} failed: {exc} (NVML error {exc.value})")
 
     def result(self, summary: str) -> DeviceResult:
         status = Status.worst([s for s, _ in self.problems], default=Status.OK)
