@@ -77,7 +77,7 @@ def test_a_spec_from_the_master_loads_its_one_plugin_and_honours_disable(tmp_pat
     assert list(manager.plugins) == ["local_storage"]  # nothing else imported
     manager.build(PluginKind.CHECKPOINT_STORAGE, spec, path="checkpoint.storage")
     blocked = PluginManager.for_spec(spec, disable=["local_storage"])
-    with pytest.raises(PluginError, match="disabled by plugins.disable"):
+    with pytest.raises(PluginError, match=r"disabled by plugins\.disable"):
         blocked.build(PluginKind.CHECKPOINT_STORAGE, spec, path="checkpoint.storage")
 
 
