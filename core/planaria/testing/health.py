@@ -340,6 +340,8 @@ class HealthCheckConformance:
         problems: list[str] = []
         for name in cases:
             result = self.run_case(record, request.getfixturevalue(name), check_context)
+            if result.error is not None:  # no devices to look at
+                problems.append(f"{name}: the case is an error: {result.error}")
             problems += [f"{name}: {p}" for p in _device_problems(result)]
         assert not problems, "\n".join(problems)
 
