@@ -1,5 +1,7 @@
 """The conformance suite of health checks (:class:`~planaria.health.api.HealthCheck` plugins).
 
+(A little over 400 lines: one suite, whose tests share its case fixtures and wrappers.)
+
 Every check runs through the real runner (:func:`planaria.health.runner.run_checks`), with its
 thread and its timeout, exactly as ``planaria check`` and the agent run it. Subclass
 :class:`HealthCheckConformance` in a test module (the class name must start with ``Test``) and
@@ -44,7 +46,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import pytest
 from pydantic import ValidationError
@@ -175,51 +177,33 @@ class HealthCheckConformance:
 
     @pytest.fixture
     def healthy(self) -> CheckCase:
-        pytest.fail(
-            "define a `healthy` fixture returning a CheckCase in which the check finds the node "
-            "healthy, or set can_be_healthy = False"
-        )
+        _missing("healthy", "the check finds the node healthy", "can_be_healthy = False")
 
     @pytest.fixture
     def unhealthy(self) -> CheckCase:
-        pytest.fail(
-            "define an `unhealthy` fixture returning a CheckCase in which the check fails the "
-            "node, or set can_be_unhealthy = False"
-        )
+        _missing("unhealthy", "the check fails the node", "can_be_unhealthy = False")
 
     @pytest.fixture
     def not_applicable(self) -> CheckCase:
-        pytest.fail(
-            "define a `not_applicable` fixture returning a CheckCase in which the hardware or "
-            "its driver is missing, or set can_be_not_applicable = False"
-        )
+        _missing("not_applicable", "the hardware or its driver is missing",
+                 "can_be_not_applicable = False")  # fmt: skip
 
     @pytest.fixture
     def hanging(self) -> CheckCase:
-        pytest.fail("can_hang = True needs a `hanging` fixture: a CheckCase whose run() blocks")
+        _missing("hanging", "the check's run() blocks", "can_hang = False")
 
     @pytest.fixture
     def undecidable(self) -> CheckCase:
-        pytest.fail(
-            "can_be_undecidable = True needs an `undecidable` fixture: a CheckCase in which the "
-            "check cannot reach a verdict"
-        )
+        _missing("undecidable", "the check cannot reach a verdict", "can_be_undecidable = False")
 
     @pytest.fixture
     def any_case(self, request: pytest.FixtureRequest) -> CheckCase:
         """The first case this check has: what the kit's own wrappers run."""
-        for flag, name in (
-            (self.can_be_healthy, "healthy"),
-            (self.can_be_unhealthy, "unhealthy"),
-            (self.can_be_not_applicable, "not_applicable"),
-        ):
-            if flag:
-                case: CheckCase = request.getfixturevalue(name)
-                return case
-        pytest.fail(
-            "a health check must have at least one of the healthy, unhealthy and not "
-            "applicable cases"
-        )
+        names = self.verdict_cases()
+        if not names:
+            pytest.fail("a health check needs one of the healthy, unhealthy, not_applicable cases")
+        case: CheckCase = request.getfixturevalue(names[0])
+        return case
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -245,9 +229,23 @@ class HealthCheckConformance:
             pytest.fail(f"the case's options are not valid for {record.name}: {exc}")
         return ConfiguredCheck(record.name, record, options, timeout or self.timeout)
 
-    def _skip_unless(self, flag: bool, name: str) -> None:
+    def verdict_cases(self) -> list[str]:
+        """The names of the case fixtures this check declares it has."""
+        flags = (self.can_be_healthy, self.can_be_unhealthy, self.can_be_not_applicable)
+        names = ("healthy", "unhealthy", "not_applicable")
+        return [name for flag, name in zip(flags, names, strict=True) if flag]
+
+    def _run_named(
+        self,
+        flag: bool,
+        name: str,
+        record: HealthCheckRecord,
+        request: pytest.FixtureRequest,
+        context: CheckContext,
+    ) -> CheckResult:
         if not flag:
             pytest.skip(f"this check declares it has no {name} case")
+        return self.run_case(record, request.getfixturevalue(name), context)
 
     # -- the record --------------------------------------------------------------------------
 
@@ -277,8 +275,7 @@ class HealthCheckConformance:
     def test_healthy(
         self, record: HealthCheckRecord, request: pytest.FixtureRequest, check_context: CheckContext
     ) -> None:
-        self._skip_unless(self.can_be_healthy, "healthy")
-        result = self.run_case(record, request.getfixturevalue("healthy"), check_context)
+        result = self._run_named(self.can_be_healthy, "healthy", record, request, check_context)
         assert result.error is None, f"the healthy case is an error: {result.error}"
         assert result.devices, "a healthy verdict names the devices it checked"
         assert result.status is Status.OK, _describe(result)
@@ -286,8 +283,7 @@ class HealthCheckConformance:
     def test_unhealthy_with_reasons(
         self, record: HealthCheckRecord, request: pytest.FixtureRequest, check_context: CheckContext
     ) -> None:
-        self._skip_unless(self.can_be_unhealthy, "unhealthy")
-        result = self.run_case(record, request.getfixturevalue("unhealthy"), check_context)
+        result = self._run_named(self.can_be_unhealthy, "unhealthy", record, request, check_context)
         assert result.error is None, f"the unhealthy case is an error: {result.error}"
         assert result.status is Status.FAILED, _describe(result)
         failed = [d for d in result.devices if d.status is Status.FAILED]
@@ -299,8 +295,9 @@ class HealthCheckConformance:
     def test_not_applicable_is_said_not_raised(
         self, record: HealthCheckRecord, request: pytest.FixtureRequest, check_context: CheckContext
     ) -> None:
-        self._skip_unless(self.can_be_not_applicable, "not applicable")
-        result = self.run_case(record, request.getfixturevalue("not_applicable"), check_context)
+        result = self._run_named(
+            self.can_be_not_applicable, "not_applicable", record, request, check_context
+        )
         assert result.error is None, (
             f"missing hardware or a missing driver must be not_applicable, never an error: "
             f"{result.error}"
@@ -314,8 +311,9 @@ class HealthCheckConformance:
     def test_undecidable_is_an_error_with_the_check_s_message(
         self, record: HealthCheckRecord, request: pytest.FixtureRequest, check_context: CheckContext
     ) -> None:
-        self._skip_unless(self.can_be_undecidable, "undecidable")
-        result = self.run_case(record, request.getfixturevalue("undecidable"), check_context)
+        result = self._run_named(
+            self.can_be_undecidable, "undecidable", record, request, check_context
+        )
         assert result.status is Status.ERROR, _describe(result)
         assert result.error, "the error verdict carries the check's message"
         assert not result.error.startswith("check crashed"), (
@@ -328,17 +326,8 @@ class HealthCheckConformance:
     def test_devices_and_metrics(
         self, record: HealthCheckRecord, request: pytest.FixtureRequest, check_context: CheckContext
     ) -> None:
-        cases = [
-            name
-            for flag, name in (
-                (self.can_be_healthy, "healthy"),
-                (self.can_be_unhealthy, "unhealthy"),
-                (self.can_be_not_applicable, "not_applicable"),
-            )
-            if flag
-        ]
         problems: list[str] = []
-        for name in cases:
+        for name in self.verdict_cases():
             result = self.run_case(record, request.getfixturevalue(name), check_context)
             if result.error is not None:  # no devices to look at
                 problems.append(f"{name}: the case is an error: {result.error}")
@@ -385,7 +374,8 @@ class HealthCheckConformance:
     def test_its_own_hang_ends_when_cancelled(
         self, record: HealthCheckRecord, request: pytest.FixtureRequest, check_context: CheckContext
     ) -> None:
-        self._skip_unless(self.can_hang, "hanging")
+        if not self.can_hang:
+            pytest.skip("this check declares it has no hanging case")
         case: CheckCase = request.getfixturevalue("hanging")
         probe = _Probe()
         wrapped = _wrapped(record, case, probe)
@@ -400,6 +390,10 @@ class HealthCheckConformance:
             f"run() did not end within {self.cancel_grace:g}s of cancel(): cancel() must "
             "release what run() waits on (kill its process, close its handle)"
         )
+
+
+def _missing(fixture: str, case: str, flag: str) -> NoReturn:
+    pytest.fail(f"define a `{fixture}` fixture: a CheckCase in which {case}; or set {flag}")
 
 
 def _describe(result: CheckResult) -> str:
