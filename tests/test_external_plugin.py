@@ -1,8 +1,9 @@
 """A plugin written outside planaria, once pip-installed, is listed and run by planaria.
 
-The distribution under ``tests/example_plugin`` is built and installed for real (``pip install
---target``) once per module; the real ``planaria`` command then runs in a subprocess that sees
-it through ``PYTHONPATH``, exactly as it would see any package installed in site-packages.
+The distribution under ``examples/outside-plugin`` is built and installed for real (``pip
+install --target``) once per module; the real ``planaria`` command then runs in a subprocess
+that sees it through ``PYTHONPATH``, exactly as it would see any package installed in
+site-packages, and so do the plugin's own tests, which run the health-check conformance suite.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from typing import Any
 
 import pytest
 import yaml
+from pytest_runs import run_pytest
 
 from planaria.health.api import CheckContext, HealthCheckRecord, Status
 from planaria.health.runner import ConfiguredCheck, run_checks
 
-EXAMPLE = Path(__file__).parent / "example_plugin"
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "outside-plugin"
 DISTRIBUTION = "planaria-example-loadavg"
 DISABLE_ENV = "PLANARIA_DISABLE_PLUGINS"
 
@@ -292,6 +294,44 @@ def test_disabling_by_distribution_name(site: Path, workdir: Path) -> None:
     proc = planaria("plugins", "--json", site=site, cwd=workdir, **{DISABLE_ENV: DISTRIBUTION})
     assert proc.returncode == 0, proc.stderr
     assert by_name(json.loads(proc.stdout), "name")["loadavg"]["status"] == "blocked"
+
+
+# -- (g) the plugin's own tests: the conformance suite -------------------------------------
+
+
+def test_the_installed_plugin_passes_the_health_check_conformance_suite(
+    site: Path, tmp_path: Path
+) -> None:
+    """The example's tests, run by pytest as its author would run them, against the installed
+    distribution: every case of the suite passes, and only the one it declares absent skips."""
+    project = tmp_path / "project"
+    shutil.copytree(EXAMPLE / "tests", project / "tests")
+    shutil.copy(EXAMPLE / "pyproject.toml", project)
+    run = run_pytest(project / "tests", _env(site), project, "-q")
+    assert run.returncode == 0, run.output
+    assert not run.named("failed") and not run.named("error"), run.output
+    skipped = run.bare("skipped") - {"test_unhealthy_with_reasons", "test_devices_and_metrics"}
+    assert skipped == {"test_its_own_hang_ends_when_cancelled"}, run.messages
+    assert {
+        "test_record",
+        "test_options_forbid_unknown_keys",
+        "test_healthy",
+        "test_not_applicable_is_said_not_raised",
+        "test_undecidable_is_an_error_with_the_check_s_message",
+        "test_a_raising_check_is_an_error_and_hides_no_other",
+        "test_a_hanging_check_is_cancelled_within_its_timeout",
+    } <= run.bare("passed"), run.output
+
+
+def test_the_plugin_imports_only_what_planaria_offers_plugin_authors() -> None:
+    imports = [
+        line.split()[1]
+        for path in sorted(EXAMPLE.rglob("*.py"))
+        for line in path.read_text().splitlines()
+        if line.startswith(("from planaria", "import planaria"))
+    ]
+    assert imports, "the example imports nothing from planaria"
+    assert set(imports) <= {"planaria.plugin", "planaria.testing"}, imports
 
 
 # -- the check's own branches, in process ----------------------------------------------------

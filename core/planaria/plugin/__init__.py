@@ -5,7 +5,8 @@
     from planaria.plugin import HealthCheck, HealthCheckRecord, DeviceResult, Status, hookimpl
 
 Each name lives in its kind's ``api`` module (``planaria.health.api``, ``planaria.scheduler.api``,
-``planaria.storage.api``, ``planaria.node_benchmark.api``, ``planaria.fault_pattern.api``); this
+``planaria.storage.api``, ``planaria.node_benchmark.api``, ``planaria.fault_pattern.api``; the
+errors a plugin raises from ``planaria.errors``); this
 module hands them out on first use, so that importing the markers loads no kind at all.
 """
 
@@ -55,6 +56,7 @@ _HOME = {
         "match",
     ),
     "planaria.events": ("EventKind", "JobEvent"),
+    "planaria.errors": ("HealthCheckError", "PlanariaError", "SchedulerError", "StorageError"),
 }
 _MODULE_OF = {name: module for module, names in _HOME.items() for name in names}
 
@@ -74,6 +76,7 @@ __all__ = [
     "FaultKind",
     "FaultPattern",
     "HealthCheck",
+    "HealthCheckError",
     "HealthCheckRecord",
     "JobEvent",
     "LaunchSpec",
@@ -83,11 +86,14 @@ __all__ = [
     "NodeEvent",
     "NodeHandle",
     "NodeState",
+    "PlanariaError",
     "PluginKind",
     "PluginRecord",
     "Scheduler",
+    "SchedulerError",
     "SchedulerRecord",
     "Status",
+    "StorageError",
     "hookimpl",
     "hookspec",
     "match",
@@ -110,6 +116,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from planaria.errors import HealthCheckError, PlanariaError, SchedulerError, StorageError
     from planaria.events import EventKind, JobEvent
     from planaria.fault_pattern.api import (
         Classification,

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from planaria.health.api import HealthCheckRecord
 from planaria.plugin.manager import PluginManager
 from planaria.plugin.records import PluginKind
+from planaria.testing import FaultPatternConformance, assert_classifies, assert_unclassified
 from planaria_ascend import AscendCheck, AscendOptions, plugin
 
 
@@ -92,9 +93,19 @@ def test_planaria_check_says_not_applicable(tmp_path: Path) -> None:
 
 
 def test_hccl_errors_are_transient() -> None:
-    from planaria.fault_pattern.api import FaultClass, match
-
     line = "RuntimeError: HCCL function error: hcclAllReduce(...), error code is 7"
-    verdict = match(plugin.planaria_fault_patterns(), line)
-    assert verdict is not None and verdict.kind is FaultClass.TRANSIENT
-    assert match(plugin.planaria_fault_patterns(), "HCCL_CONNECT_TIMEOUT=1800") is None
+    assert_classifies(plugin.planaria_fault_patterns(), line, "transient", "HCCL")
+    assert_unclassified(plugin.planaria_fault_patterns(), "HCCL_CONNECT_TIMEOUT=1800")
+
+
+class TestAscendPatterns(FaultPatternConformance):
+    plugin_name = "ascend"
+    samples = [
+        ("RuntimeError: HCCL function error: hcclAllReduce(...), error code is 7", "transient"),
+    ]
+    ordinary_lines = [
+        "HCCL_CONNECT_TIMEOUT=1800",
+        "export HCCL_EXEC_TIMEOUT=1800",
+        # A training script's config, printed at start: settings, not a failure.
+        "distributed: {backend: hccl, timeout: 1800, init_method: env://}",
+    ]

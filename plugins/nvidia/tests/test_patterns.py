@@ -7,6 +7,7 @@ import pytest
 from planaria.diagnosis.classify import Classifier
 from planaria.fault_pattern.api import FaultClass, match
 from planaria.plugin.manager import PluginManager
+from planaria.testing import FaultPatternConformance, assert_classifies
 from planaria_nvidia import plugin
 from planaria_nvidia.xids import DEFAULT_FATAL
 
@@ -94,9 +95,7 @@ def test_the_driver_verdict_outranks_the_cuda_error_beside_it():
     ],
 )  # fmt: skip
 def test_cuda_and_nccl_messages(line, kind, reason):
-    verdict = match(patterns(), line)
-    assert verdict is not None and verdict.kind is FaultClass(kind)
-    assert reason in verdict.reason
+    assert_classifies(patterns(), line, kind, reason)
 
 
 def test_the_installed_plugin_classifies_ahead_of_the_core():
@@ -107,3 +106,34 @@ def test_the_installed_plugin_classifies_ahead_of_the_core():
     assert info.kinds == ["fault_pattern", "health_check"]
     verdict = Classifier(plugins=manager.fault_patterns()).classify(1, None, TRACEBACK + XID[13])
     assert (verdict.kind, verdict.source) == (FaultClass.USER, "plugin nvidia")
+
+
+class TestNvidiaPatterns(FaultPatternConformance):
+    """Every pattern on a recorded line; none on a healthy GPU job's log."""
+
+    plugin_name = "nvidia"
+    samples = [
+        *((f"NVRM: Xid (PCI:0000:3b:00): {xid}, pid=48211, name=python", "node")
+          for xid in DEFAULT_FATAL),
+        (XID[13], "user"), (XID[31], "user"), (XID[43], "user"), (XID[45], "transient"),
+        (XID[92], "transient"),
+        ("NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus.", "node"),
+        ("RuntimeError: CUDA error: uncorrectable ECC error encountered", "node"),
+        ("RuntimeError: CUDA error: an illegal instruction was encountered", "node"),
+        ("RuntimeError: CUDA error: uncorrectable NVLink error detected during the execution",
+         "node"),
+        ("RuntimeError: CUDA error: CUDA-capable device(s) is/are busy or unavailable", "node"),
+        ("NVLink fatal error on link 4 of GPU 3", "node"),
+        ("RuntimeError: CUDA error: an illegal memory access was encountered", "node"),
+        ("RuntimeError: CUDA error: unspecified launch failure", "node"),
+        ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.", "transient"),
+        ("torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, "
+         "unhandled system error, NCCL version 2.19.3", "transient"),
+    ]  # fmt: skip
+    ordinary_lines = [
+        "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-5a3c1f0e-1c2b-4e55-9d1e-0123456789ab)",
+        "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7",
+        "node-3:48211:48390 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read",
+        "node-3:48211:48390 [0] NCCL INFO Connected all rings",
+        "node-3:48211:48390 [0] NCCL INFO NCCL_IB_TIMEOUT set by environment to 22.",
+    ]

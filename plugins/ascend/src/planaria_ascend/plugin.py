@@ -23,9 +23,10 @@ def planaria_health_checks() -> Iterator[HealthCheckRecord]:
 
 @hookimpl
 def planaria_fault_patterns() -> FaultPattern:
-    # A collective that failed (a lost peer, a timeout): a restart in place cures it.
+    # A collective that failed (a lost peer, a timeout): a restart in place cures it. A timeout
+    # given a value ("timeout: 1800", "timeout=1800", a printed config) is a setting, no event.
     return FaultPattern(
-        pattern=r"(?i)\bhccl\b.*(?:error|fail|timeout|timed out)",
+        pattern=r"(?i)\bhccl\b.*(?:error|fail|timed out|\btimeout\b(?!\s*[:=]))",
         kind="transient",
         reason="HCCL error",
     )

@@ -11,9 +11,15 @@ from collections.abc import Iterator
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-import planaria
-from planaria.errors import HealthCheckError
-from planaria.plugin import DeviceResult, HealthCheck, HealthCheckRecord, Status
+# Everything a health-check plugin needs comes from planaria.plugin.
+from planaria.plugin import (
+    DeviceResult,
+    HealthCheck,
+    HealthCheckError,
+    HealthCheckRecord,
+    Status,
+    hookimpl,
+)
 
 
 class LoadavgOptions(BaseModel):
@@ -75,7 +81,7 @@ class LoadavgCheck(HealthCheck[LoadavgOptions]):
         ]
 
 
-@planaria.hookimpl
+@hookimpl
 def planaria_health_checks() -> Iterator[HealthCheckRecord]:
     yield HealthCheckRecord(
         name="loadavg",
