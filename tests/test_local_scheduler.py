@@ -167,8 +167,8 @@ def test_launch_then_running_succeeded_failed_and_lost(harness: Harness) -> None
 
     os.kill(harness.pid("node-2"), signal.SIGKILL)
     killed = time.monotonic()
-    lost = collect(scheduler, lambda e: bool(e), timeout=0.5)
-    assert time.monotonic() - killed < 0.5
+    lost = collect(scheduler, lambda e: bool(e), timeout=10.0)
+    assert time.monotonic() - killed < 10.0 / 2  # seen through the pidfd, not at the timeout
     assert lost == [NodeEvent(node_id="node-2", state=NodeState.LOST, reason="killed by SIGKILL")]
     assert scheduler.poll(0.0) == []
 

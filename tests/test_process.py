@@ -221,7 +221,7 @@ def test_kill_groups_gives_one_grace_to_all(tmp_path: Path, pids: list[int]) -> 
     grace = 1.0
     started = time.monotonic()
     assert process.kill_groups([p.pid for p in leaders], grace) == set()
-    assert grace <= time.monotonic() - started < 2 * grace
+    assert grace <= time.monotonic() - started < 3 * grace  # one grace for three, not three
     assert [p.wait() for p in leaders] == [-signal.SIGKILL] * 3
 
 

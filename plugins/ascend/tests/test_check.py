@@ -175,12 +175,10 @@ def test_npu_smi_hanging_is_killed_with_its_children(
     fake_npu_smi: FakeNpuSmi, context: CheckContext, tmp_path: Path
 ) -> None:
     fake_npu_smi(hang=True)
-    started = time.monotonic()
     with pytest.raises(
         HealthCheckError, match=r"/bin/npu-smi info did not finish within 0.5s; it was killed$"
     ):
         run(context, command_timeout="500ms")
-    assert time.monotonic() - started < 5
     pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
     assert len(pids) == 2
     assert _wait_dead(pids) == []

@@ -87,9 +87,9 @@ def test_cancel_from_another_thread_kills_the_group(
     assert all(alive(pid) for pid in pids.values())
     started = time.monotonic()
     check.cancel()
-    thread.join(5)
+    thread.join(30)
     assert not thread.is_alive()
-    assert time.monotonic() - started < 2.0
+    assert time.monotonic() - started < 30 / 2  # the cancel ended it, not the 60 s timeout
     assert isinstance(outcome[0], HealthCheckError)
     assert "was cancelled by the check runner" in str(outcome[0])
     _assert_all_gone(pids)
@@ -120,7 +120,7 @@ exit 0
     )
     started = time.monotonic()
     results = run_script(context, script, timeout=30, env={"PIDS": str(pids_dir)})
-    assert time.monotonic() - started < 2.0  # not held until the timeout by the open pipe
+    assert time.monotonic() - started < 30 / 2  # not held until the timeout by the open pipe
     assert results == [DeviceResult(device="gpu0", status=Status.OK)]
     assert wait_dead(read_pids(pids_dir).values()) == []
 
@@ -142,8 +142,8 @@ exit 0
     )
     try:
         started = time.monotonic()
-        results = run_script(context, script, env={"PIDS": str(pids_dir)})
-        assert time.monotonic() - started < 2.0
+        results = run_script(context, script, timeout=30, env={"PIDS": str(pids_dir)})
+        assert time.monotonic() - started < 30 / 2  # not held by the detached child
         assert results == [DeviceResult(device="gpu0", status=Status.OK)]
     finally:
         for pid in read_pids(pids_dir).values():
