@@ -8,8 +8,10 @@ from pathlib import Path
 
 import aiohttp
 
-from planaria.master.job import JobSettings, JobState, Master
+from planaria.master.job import Master
+from planaria.master.runner import supervise
 from planaria.master.server import ServerLimits, make_app, serve
+from planaria.master.state import JobSettings, JobState
 from planaria.protocol import API_PREFIX, JobSpec
 from planaria.scheduler.api import LaunchSpec
 from planaria.scheduler.local import LocalOptions, LocalScheduler
@@ -50,13 +52,13 @@ async def with_master(tmp_path: Path, body, limits: ServerLimits | None = None) 
     url = f"http://127.0.0.1:{port}{API_PREFIX}"
     # Stand-in agents that never call back: the test plays the agents over HTTP.
     idle = LaunchSpec(job="api", command=(sys.executable, "-c", "import time; time.sleep(60)"))
-    job = asyncio.ensure_future(master.run(idle))
+    job = asyncio.ensure_future(supervise(master, idle))
     try:
         async with aiohttp.ClientSession() as session:
             await asyncio.sleep(0.2)  # launched
             await body(master, session, url)
     finally:
-        master.fail("test over")
+        master.stop("test over")
         await asyncio.wait_for(job, 30)
         await runner.cleanup()
         master.timeline.close()

@@ -144,13 +144,13 @@ def test_only_launched_nodes_register_and_only_once(tmp_path):
             assert "registered already" in (await r.json())["error"]
         assert master.nodes["node-0"].pid == 100
 
-        master._launching += 1  # a launch in flight: an unknown id may still be coming
+        master.fleet.launching += 1  # a launch in flight: an unknown id may still be coming
         try:
             async with session.post(url(port, "/register"), json=ghost, headers=AUTH) as r:
                 assert r.status == 503
                 assert (await r.json())["retry"] is True
         finally:
-            master._launching -= 1
+            master.fleet.launching -= 1
 
         events = [json.loads(line) for line in (tmp_path / "events.jsonl").open()]
         refused = [e for e in events if e["kind"] == "registration_refused"]

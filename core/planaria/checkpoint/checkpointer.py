@@ -655,18 +655,18 @@ class _StorageShards:
 def _is_resharded(old: Any, entry: TensorEntry) -> bool:
     if old is None or type(old).__name__ != "DTensor":
         return False
-    from planaria.checkpoint.layout import _local_offset
+    from planaria.checkpoint.layout import local_offset
 
-    gshape, goffset = _local_offset(old)
+    gshape, goffset = local_offset(old)
     local = tuple(old.to_local().shape)
     return (gshape, goffset, local) != (entry.global_shape, entry.global_offset, entry.shape)
 
 
 def _reshard(old: Any, entry: TensorEntry, shards: _StorageShards, world: int) -> Any:
     """Fill a DTensor's local shard from every saved shard that overlaps it."""
-    from planaria.checkpoint.layout import _local_offset
+    from planaria.checkpoint.layout import local_offset
 
-    gshape, goffset = _local_offset(old)
+    gshape, goffset = local_offset(old)
     if tuple(gshape) != entry.global_shape:
         raise CheckpointCorruptError(
             f"{entry.path}: saved with global shape {list(entry.global_shape or ())}, the model "

@@ -148,7 +148,7 @@ def _is_dtensor(value: Any) -> bool:
     return type(value).__name__ == "DTensor" and hasattr(value, "to_local")
 
 
-def _local_offset(value: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def local_offset(value: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(global shape, global offset of the local shard) of a DTensor."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -170,7 +170,7 @@ def plan(state: Any) -> Layout:
         nbytes = tensor.numel() * tensor.element_size()
         gshape = goffset = None
         if dtensor is not None:
-            gshape, goffset = _local_offset(dtensor)
+            gshape, goffset = local_offset(dtensor)
         entry = TensorEntry(
             path, dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes, gshape, goffset
         )

@@ -1,4 +1,5 @@
-"""The typer application and its shared options.
+"""The typer application and its shared options; the commands register on it in their own
+modules, and :mod:`planaria.cli.entry` puts them together.
 
 Exit codes: 0 success (a healthy node), 1 an unhealthy node, 2 a usage or configuration error.
 """
@@ -6,7 +7,6 @@ Exit codes: 0 success (a healthy node), 1 an unhealthy node, 2 a usage or config
 from __future__ import annotations
 
 import contextlib
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -16,7 +16,6 @@ from pydantic import ValidationError
 from planaria import __version__, log
 from planaria.config import RawConfig, ResolvedConfig, load_raw, read
 from planaria.config.models import LoggingSection
-from planaria.errors import PlanariaError
 from planaria.plugin.manager import PluginManager
 
 EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE = 0, 1, 2
@@ -104,16 +103,3 @@ def configure_logging(raw: RawConfig) -> None:
             settings.log_format or logging.format,  # type: ignore[arg-type]
             settings.log_level or logging.level,
         )
-
-
-def main() -> None:
-    """Entry point of the ``planaria`` command: planaria's own errors print without a
-    traceback and exit 2."""
-    from planaria.cli import check, config_cmd, plugins, run  # noqa: F401 - registers commands
-    from planaria.cli.output import error
-
-    try:
-        app()
-    except PlanariaError as exc:
-        error(str(exc))
-        sys.exit(EXIT_USAGE)

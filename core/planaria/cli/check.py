@@ -13,7 +13,7 @@ from rich.table import Table
 from planaria.cli.app import EXIT_UNHEALTHY, ConfigOption, JsonOption, SetOption, app, load_job
 from planaria.cli.output import err, out, print_json, styled
 from planaria.config import ResolvedConfig
-from planaria.errors import ConfigError, ConfigIssue, PlanariaError
+from planaria.errors import ConfigError, PlanariaError
 from planaria.health.api import CheckContext, CheckResult, NodeHealth
 from planaria.health.runner import run_checks
 from planaria.plugin.manager import PluginManager
@@ -48,15 +48,13 @@ PreflightOption = Annotated[
 def _preflight(resolved: ResolvedConfig, manager: PluginManager, json: bool) -> None:
     import asyncio
 
-    from planaria.cli.run import _run, preflight_issues, print_preflight
+    from planaria.cli.run import HOOKS, print_preflight
+    from planaria.master.runner import preflight_issues, run_job, scheduler_issues
 
-    issues = preflight_issues(resolved, asked=True)
-    if "scheduler" not in resolved.backends:
-        backend = resolved.config.scheduler.backend
-        issues.append(ConfigIssue("scheduler.backend", f"scheduler {backend!r} is not installed"))
+    issues = preflight_issues(resolved, asked=True) + scheduler_issues(resolved)
     if issues:
         raise ConfigError(issues, resolved.source)
-    summary, run_dir = asyncio.run(_run(resolved, manager, preflight_only=True))
+    summary, run_dir = asyncio.run(run_job(resolved, manager, preflight_only=True, hooks=HOOKS))
     report = summary.preflight
     if json and report is None:
         print_json({"healthy": False, "result": summary.reason})

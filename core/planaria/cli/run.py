@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import datetime
-import errno
 import os
-import secrets
-import shutil
-import signal
-import sys
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Optional
 
 import typer
-from aiohttp import web
 from rich.live import Live
 from rich.measure import Measurement
 from rich.table import Table
@@ -24,20 +17,16 @@ from planaria import log
 from planaria.cli.app import EXIT_USAGE, SetOption, app, configure_logging
 from planaria.cli.output import error, out, warning
 from planaria.config import ResolvedConfig, load_raw, read
-from planaria.config.machine import machine_issues, workdir_issues
-from planaria.diagnosis.setup import BENCHMARK_PATH, agent_spec, master_policy
-from planaria.errors import ConfigError, ConfigIssue
+from planaria.diagnosis.preflight import PreflightReport
+from planaria.errors import ConfigError
 from planaria.events import EventKind, JobEvent
 from planaria.master.diagnosis import stopped_on_start
-from planaria.master.job import JobSettings, JobState, Master
-from planaria.master.preflight import PreflightReport
-from planaria.master.server import ServerLimits, make_app, serve
+from planaria.master.job import Master
+from planaria.master.runner import RunHooks, run_issues, run_job
+from planaria.master.state import JobState
 from planaria.master.timeline import NO_STEPS, Summary
-from planaria.master.transport import transport
 from planaria.plugin.manager import PluginManager
-from planaria.plugin.records import PluginKind
-from planaria.protocol import MASTER_ENV, TOKEN_ENV, CheckpointSpec, JobSpec
-from planaria.scheduler.api import LaunchSpec, Scheduler
+from planaria.protocol import MASTER_ENV, TOKEN_ENV, JobSpec
 
 EVENT_STYLE = {
     EventKind.FAULT_DETECTED: "bold red",
@@ -60,53 +49,10 @@ def _prepare(
             job["command"] = command
     configure_logging(raw)
     resolved, manager = load_raw(raw)
-    issues = []
-    if not resolved.config.job.command:
-        issues.append(
-            ConfigIssue("job.command", "no training command: set it, or give it after --")
-        )
-    if "scheduler" not in resolved.backends:
-        issues.append(
-            ConfigIssue(
-                "scheduler.backend",
-                f"scheduler {resolved.config.scheduler.backend!r} is not installed",
-            )
-        )
-    issues += preflight_issues(resolved)
-    issues += machine_issues(resolved)
+    issues = run_issues(resolved)
     if issues:
         raise ConfigError(issues, raw.source)
     return resolved, manager
-
-
-def preflight_issues(resolved: ResolvedConfig, asked: bool = False) -> list[ConfigIssue]:
-    """The pre-flight check needs its benchmark installed, when it is on (or ``asked``)."""
-    diagnosis = resolved.config.diagnosis
-    if (diagnosis.preflight or asked) and BENCHMARK_PATH not in resolved.backends:
-        name = diagnosis.preflight_benchmark.backend
-        return [
-            ConfigIssue(f"{BENCHMARK_PATH}.backend", f"node benchmark {name!r} is not installed")
-        ]
-    return []
-
-
-def _run_dir(resolved: ResolvedConfig) -> tuple[str, Path]:
-    job = resolved.config.job
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    run_id = f"{job.name}-{stamp}-{secrets.token_hex(2)}"
-    run_dir = (job.workdir / job.run_dir / run_id).absolute()
-    issues = workdir_issues(resolved)  # never made here: a missing one is a mistake
-    if issues:
-        raise ConfigError(issues, resolved.source)
-    try:
-        (run_dir / "logs").mkdir(parents=True, mode=0o700)
-    except OSError as exc:
-        message = (
-            f"cannot create the run directory {run_dir}: {exc.strerror or exc}; set "
-            "job.run_dir to a directory this user can write"
-        )
-        raise ConfigError([resolved.issue("job.run_dir", message)], resolved.source) from None
-    return run_id, run_dir
 
 
 def _status_table(master: Master) -> Table:
@@ -214,27 +160,10 @@ def print_summary(summary: Summary, run_dir: Path) -> None:
     out.print(f"timeline: {run_dir / 'events.jsonl'}\nlogs: {run_dir / 'logs'}")
 
 
-def preflight_line(report: PreflightReport) -> str:
-    """The whole pre-flight summary when no node needed a verdict: one line, not a table."""
-    if report.nodes == 0:
-        return "pre-flight: no node was checked"
-    nodes = f"{report.nodes} node{'s' if report.nodes != 1 else ''}"
-    rounds = f"{report.rounds} round{'s' if report.rounds != 1 else ''}"
-    spread = "; ".join(
-        f"{measure}: slowest {seconds * 1000:.1f} ms on {node}, "
-        f"median {report.baseline.get(measure, seconds) * 1000:.1f} ms"
-        for measure, (node, seconds) in report.slowest.items()
-    )
-    return f"pre-flight: all {nodes} passed in {rounds}" + (f" ({spread})" if spread else "")
-
-
 def print_preflight(report: PreflightReport) -> None:
-    if not report.verdicts:
-        out.print(preflight_line(report), markup=False)
-        return
     base = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in report.baseline.items()) or "-"
-    title = (
-        f"pre-flight: {report.nodes} node(s), {report.rounds} round(s); good nodes' median {base}"
+    title = f"pre-flight: {report.nodes} node(s), {report.rounds} round(s); median {base}" + (
+        "" if report.verdicts else "; every node passed"
     )
     table = Table(title=title)
     for column in ("node", "host", "verdict", "round 1", "detail", "action"):
@@ -251,133 +180,22 @@ def print_preflight(report: PreflightReport) -> None:
     _print_table(table)
 
 
-def _checkpoint_spec(resolved: ResolvedConfig, run_dir: Path) -> CheckpointSpec:
-    """The checkpoint section for agents and workers. A relative ``local`` path is taken
-    relative to the run's directory, so each run starts fresh unless the config names a
-    directory of its own (an absolute path: a new run then resumes from it)."""
-    section = resolved.config.checkpoint
-    storage = resolved.backends["checkpoint.storage"]
-    options = storage.options.model_dump(mode="json")
-    if storage.record.name == "local" and not Path(options["path"]).expanduser().is_absolute():
-        options["path"] = str(run_dir / options["path"])
-    return CheckpointSpec(
-        storage={
-            "backend": storage.record.name,
-            "options": options,
-            "plugin": storage.plugin,
-            "disable": list(resolved.config.plugins.disable),
-        },
-        keep_last=section.keep_last,
-        persist_every=section.persist_every,
-        persist_on_fault=section.persist_on_fault,
-        require_restore=section.require_restore,
-        allow_unpersisted_end=section.allow_unpersisted_end,
-    )
+async def _follow(master: Master, job: asyncio.Future[Summary]) -> Summary:
+    """On a terminal, a live status table while the job runs."""
+    if not out.is_terminal:
+        return await job
+    with Live(_status_table(master), console=out, refresh_per_second=4) as live:
+        while not job.done():
+            live.update(_status_table(master))
+            await asyncio.wait({job}, timeout=0.25)
+    return job.result()
 
 
-async def _serve(
-    resolved: ResolvedConfig, app_: web.Application, master: Master, run_dir: Path
-) -> tuple[web.AppRunner, int]:
-    """Serve the API. An address or port this machine cannot give is the config's problem;
-    the run that could not start leaves nothing behind, its directory included."""
-    host, port = resolved.config.master.host, resolved.config.master.port
-    try:
-        return await serve(app_, host, port)
-    except OSError as exc:
-        master.timeline.close()
-        shutil.rmtree(run_dir, ignore_errors=True)
-        why = exc.strerror or str(exc)
-        if exc.errno == errno.EADDRINUSE:
-            where, hint = "master.port", "choose another master.port, or 0 for any free one"
-        else:
-            where, hint = "master.host", "set master.host to an address of this machine"
-        message = f"the master cannot listen on {host}:{port}: {why}; {hint}"
-        raise ConfigError([resolved.issue(where, message)], resolved.source) from None
+def _started(spec: JobSpec, url: str) -> None:
+    out.print(f"planaria: job {spec.job} (run {spec.run_id}), master at {url}")
 
 
-async def _run(
-    resolved: ResolvedConfig, manager: PluginManager, preflight_only: bool = False
-) -> tuple[Summary, Path]:
-    """Run the job; ``preflight_only``: only the pre-flight node check (no worker starts)."""
-    config = resolved.config
-    job = config.job
-    run_id, run_dir = _run_dir(resolved)
-    token = secrets.token_urlsafe(32)
-    chosen = resolved.backends["scheduler"]
-    scheduler: Scheduler[Any] = manager.build(
-        PluginKind.SCHEDULER,
-        {"backend": chosen.record.name, "options": chosen.options},
-        path="scheduler",
-    )
-    spec = JobSpec(
-        job=job.name,
-        run_id=run_id,
-        run_dir=str(run_dir),
-        # The check alone never starts a worker; the launcher wants a command all the same.
-        command=[sys.executable, "-c", "pass"] if preflight_only else job.command,
-        workdir=str(job.workdir.absolute()),
-        env=job.env,
-        procs_per_node=job.procs_per_node,
-        max_restarts=job.max_restarts,
-        heartbeat_interval=config.master.heartbeat_interval,
-        heartbeat_timeout=config.master.heartbeat_timeout,
-        stop_grace=job.stop_grace,
-        preload=[] if preflight_only else job.preload,
-        chaos=config.chaos,
-        checkpoint=None if preflight_only else _checkpoint_spec(resolved, run_dir),
-        diagnosis=agent_spec(resolved, preflight_only),
-    )
-
-    def observe(event: JobEvent) -> None:
-        _print_event(event)
-        manager.emit(event)
-
-    settings = JobSettings(
-        spec=spec,
-        min_nodes=job.nodes.min,
-        max_nodes=job.nodes.max,
-        node_unit=job.node_unit,
-        join_grace=config.rendezvous.join_grace,
-        join_timeout=config.rendezvous.join_timeout,
-        diagnosis=master_policy(resolved, manager, preflight_only),
-    )
-    master = Master(settings, scheduler, run_dir, observe)
-    limits = ServerLimits(
-        request_timeout=config.master.request_timeout,
-        per_client=config.master.max_connections_per_client,
-    )
-    app_ = make_app(master, token, hold=config.master.heartbeat_interval, limits=limits)
-    runner, port = await _serve(resolved, app_, master, run_dir)
-    wire = transport(config.master.host)
-    if wire.warning:
-        warning(wire.warning)
-    advertise = config.master.advertise or config.master.host
-    url = f"{wire.scheme}://{advertise}:{port}"
-    agents = LaunchSpec(
-        job=job.name,
-        command=(sys.executable, "-m", "planaria", "agent"),
-        env={MASTER_ENV: url, TOKEN_ENV: token},  # the token never shows in a command line
-        log_dir=run_dir / "logs" / "agents",
-        run_id=run_id,
-    )
-    out.print(f"planaria: job {job.name} (run {run_id}), master at {url}")
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, master.fail, f"interrupted by {signal.Signals(sig).name}")
-    try:
-        if out.is_terminal:
-            with Live(_status_table(master), console=out, refresh_per_second=4) as live:
-                task = asyncio.ensure_future(master.run(agents))
-                while not task.done():
-                    live.update(_status_table(master))
-                    await asyncio.wait({task}, timeout=0.25)
-                summary = task.result()
-        else:
-            summary = await master.run(agents)
-    finally:
-        await runner.cleanup()
-        master.timeline.close()
-    return summary, run_dir
+HOOKS = RunHooks(on_event=_print_event, on_start=_started, on_warning=warning, follow=_follow)
 
 
 Command = Annotated[
@@ -410,7 +228,7 @@ def run_command(
     cannot start.
     """
     resolved, manager = _prepare(file, set_ or [], chaos or [], command or [])
-    summary, run_dir = asyncio.run(_run(resolved, manager))
+    summary, run_dir = asyncio.run(run_job(resolved, manager, hooks=HOOKS))
     print_summary(summary, run_dir)
     if summary.state != JobState.SUCCEEDED.value:
         raise SystemExit(EXIT_USAGE if stopped_on_start(summary) else 1)

@@ -83,6 +83,21 @@ class Verdict:
     slow: Slowness | None = None
 
 
+@dataclass
+class PreflightReport:
+    """What the summary shows: how many nodes, in how many rounds, and the verdicts."""
+
+    nodes: int = 0
+    rounds: int = 0
+    baseline: dict[str, float] = field(default_factory=dict)
+    """Per measure, the good nodes' median."""
+    slowest: dict[str, tuple[str, float]] = field(default_factory=dict)
+    """Per measure, the slowest good node and its time."""
+    verdicts: list[Verdict] = field(default_factory=list)
+    hosts: dict[str, str] = field(default_factory=dict)
+    actions: dict[str, str] = field(default_factory=dict)
+
+
 def groups_of(nodes: Sequence[str]) -> list[list[str]]:
     """Pairs in the given order; with an odd count the last group has three (one node: alone)."""
     if len(nodes) <= 1:

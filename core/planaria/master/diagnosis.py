@@ -1,15 +1,15 @@
 """The master's side of diagnosis: classified worker faults, hangs, stragglers, unhealthy nodes.
 
-Each finding becomes a timeline event and, where it calls for one, an action through the
-master's own policy: restart in place (a transient fault, a hang), replace the node and exclude
-its host (a node fault, a failed health check, a straggler when ``replace_stragglers``), or stop
-(a user error when ``on_user_error: stop``, and always workers that cannot start).
+Each finding becomes a timeline event and, where it may call for an action, a fault the job
+decides on (:meth:`JobControl.report_fault`, by :mod:`planaria.master.policy`): restart in place
+(a transient fault, a hang), replace the node and exclude its host (a node fault, a failed
+health check, a straggler when ``replace_stragglers``), or stop (a user error when
+``on_user_error: stop``, and always workers that cannot start).
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from planaria.diagnosis.messages import HangReport, HealthReport
 from planaria.diagnosis.policy import DiagnosisPolicy
@@ -17,18 +17,23 @@ from planaria.diagnosis.stragglers import RankTimes, Straggler, StragglerDetecto
 from planaria.events import EventKind
 from planaria.fault_pattern.api import Classification, FaultClass
 from planaria.log import get_logger
+from planaria.master.control import JobControl
+from planaria.master.policy import CANNOT_START, Decision, FaultType, Source
+from planaria.master.state import Node
 from planaria.master.timeline import Fault, Summary
-from planaria.protocol import Heartbeat, WorkerFailure
-
-if TYPE_CHECKING:
-    from planaria.master.job import Master, Node
+from planaria.protocol import ChaosReport, Heartbeat, WorkerFailure, WorkersReport
 
 log = get_logger("master.diagnosis")
 
 START = "start"
 """The ``source`` of a verdict on workers that never started (:attr:`WorkerFailure.start_error`):
 the program, its environment or the node's size is wrong, which no restart cures."""
-CANNOT_START = "stop: the workers cannot start, and a restart would fail the same way"
+
+_TYPES = {
+    FaultClass.NODE: FaultType.NODE,
+    FaultClass.TRANSIENT: FaultType.TRANSIENT,
+    FaultClass.USER: FaultType.USER,
+}
 
 
 def stopped_on_start(summary: Summary) -> bool:
@@ -38,8 +43,8 @@ def stopped_on_start(summary: Summary) -> bool:
 
 
 class Diagnosis:
-    def __init__(self, master: Master, policy: DiagnosisPolicy) -> None:
-        self.master = master
+    def __init__(self, job: JobControl, policy: DiagnosisPolicy) -> None:
+        self.job = job
         self.policy = policy
         self.detector = StragglerDetector(policy.straggler_factor)
         self.stragglers: list[Straggler] = []
@@ -67,58 +72,73 @@ class Diagnosis:
         verdicts = [(f, self.classify(f)) for f in failures]
         return next((fv for fv in verdicts if fv[1].kind is FaultClass.NODE), verdicts[0])
 
-    def act(self, node: Node, fault: Fault, verdict: Classification) -> None:
-        """The action for a worker fault of the running round."""
-        from planaria.master.job import JobState
-
-        fault.fault_class, fault.reason = verdict.kind.value, verdict.reason
-        if verdict.kind is FaultClass.NODE:
-            fault.action = f"replace the node, exclude host {node.host}"
-            self.master._lose_node(node, fault, exclude_host=True)
-        elif verdict.source == START:
-            fault.action = CANNOT_START
-            self.master.faults.append(fault)
-            self.master._finish(JobState.FAILED, f"user error: {fault.detail}")
-        elif verdict.kind is FaultClass.USER and self.policy.on_user_error == "stop":
-            fault.action = "stop (diagnosis.on_user_error: stop)"
-            self.master.faults.append(fault)
-            self.master._finish(JobState.FAILED, f"user error: {fault.detail}: {verdict.reason}")
-        else:
-            self.master._restart(fault)
-
-    def late_failures(self, node: Node, round_: int, failures: list[WorkerFailure]) -> None:
-        """Failures reported after their round was restarted: a node fault among them still
-        takes the node out (the restart that came first was for a peer's symptom)."""
-        if node.phase.gone:
-            return
+    def workers_failed(self, node: Node, report: WorkersReport, *, current: bool) -> None:
+        """A node's workers failed. Peers of a failed worker fail too, often before its own
+        report arrives: every failure goes into the timeline, and the one that decides (a
+        node fault among them, else the first) is the fault. Failures of a round restarted
+        already (``current`` false) only matter when they show a bad node: the restart that
+        came first was for a peer's symptom."""
+        assert report.failure is not None
+        failures = [report.failure, *report.also]
         failure, verdict = self.driver(failures)
-        if verdict.kind is not FaultClass.NODE:
+        detail = ""
+        for each in failures:
+            main = current and each is failure
+            text = self._failure_event(node, report.round, each, secondary=not main)
+            detail = text if each is failure else detail
+        if not current and verdict.kind is not FaultClass.NODE:
             return
+        if not current:
+            log.warning("node fault found after the restart", node=node.node_id, round=report.round)
         fault = Fault(
             kind="worker_failed",
             node=node.node_id,
             rank=failure.rank,
-            detail=f"rank {failure.rank} (node {node.node_id}) {failure.description}",
+            detail=detail,
             time=failure.time,
-            action=f"replace the node, exclude host {node.host}",
+            action="",
+            last_step=report.last_step if current else -1,
             fault_class=verdict.kind.value,
             reason=verdict.reason,
         )
-        log.warning("node fault found after the restart", node=node.node_id, round=round_)
-        self.master._lose_node(node, fault, exclude_host=True)
+        source = Source.START if verdict.source == START else Source.WORKERS
+        self.job.report_fault(fault, _TYPES[verdict.kind], source if current else Source.LATE)
+
+    def _failure_event(
+        self, node: Node, round_: int, failure: WorkerFailure, *, secondary: bool
+    ) -> str:
+        detail = f"rank {failure.rank} (node {node.node_id}) {failure.description}"
+        self.job.emit(
+            EventKind.FAULT_DETECTED,
+            f"{detail} (also in round {round_})" if secondary else detail,
+            node=node.node_id,
+            rank=failure.rank,
+            fault="worker_failed",
+            secondary=secondary,
+            exitcode=failure.exitcode,
+            signal=failure.signal,
+            log_tail=failure.log_tail,
+            round=round_,
+            **self.event_fields(failure),
+        )
+        return detail
+
+    def chaos(self, report: ChaosReport) -> None:
+        """A fault injected on purpose is about to fire: the timeline says so first."""
+        self.job.emit(
+            EventKind.FAULT_DETECTED,
+            f"chaos: {report.rule.kind} on node {report.node_id}",
+            node=report.node_id,
+            fault="chaos",
+            rule=report.rule.model_dump(mode="json"),
+        )
 
     # -- hangs ------------------------------------------------------------------------------
 
     def hang(self, report: HangReport) -> None:
-        from planaria.master.job import JobState
-
-        master = self.master
-        node = master._touch(report.node_id)
-        current = (
-            report.round == master.rounds.round
-            and master.state is JobState.RUNNING
-            and node.node_id in master.rounds.world
-        )
+        job = self.job
+        node = job.heard_from(report.node_id)
+        current = report.round == job.round and job.training and node.node_id in job.world
         ranks = ", ".join(str(r.rank) for r in report.ranks)
         what = (
             f"no first step within {report.timeout:g}s"
@@ -126,7 +146,7 @@ class Diagnosis:
             else f"no step progress for {report.timeout:g}s"
         )
         detail = f"hang on node {node.node_id}: {what} (rank(s) {ranks})"
-        master.timeline.emit(
+        job.emit(
             EventKind.HANG_DETECTED,
             detail if current else f"{detail} (also in round {report.round})",
             node=node.node_id,
@@ -144,22 +164,20 @@ class Diagnosis:
             node=node.node_id,
             detail=detail,
             time=report.time,
-            action="restart workers in place",
+            action="",
             last_step=max(steps, default=-1),
             fault_class=FaultClass.TRANSIENT.value,
             reason=what,
         )
-        node.step = max(node.step, fault.last_step)
-        master._restart(fault)
+        job.report_fault(fault, FaultType.HANG, Source.WATCHDOG)
 
     # -- health checks ----------------------------------------------------------------------
 
     def unhealthy(self, report: HealthReport) -> None:
-        master = self.master
-        node = master._touch(report.node_id)
+        node = self.job.heard_from(report.node_id)
         checks = ", ".join(f"{f.check} ({f.status})" for f in report.failures)
         detail = f"node {node.node_id} ({node.host}) failed its health checks: {checks}"
-        master.timeline.emit(
+        self.job.emit(
             EventKind.HEALTH_CHECKED,
             detail,
             node=node.node_id,
@@ -167,32 +185,24 @@ class Diagnosis:
             host=node.host,
             failures=[f.model_dump(mode="json") for f in report.failures],
         )
-        if node.phase.gone or master.state.terminal:
-            return
         fault = Fault(
             kind="unhealthy",
             node=node.node_id,
             detail=detail,
             time=report.time,
-            action=f"replace the node, exclude host {node.host}",
+            action="",
             last_step=node.step,
             fault_class=FaultClass.NODE.value,
             reason="; ".join(f"{f.check}: {f.detail}" for f in report.failures)[:500],
         )
-        master._lose_node(node, fault, exclude_host=True)
+        self.job.report_fault(fault, FaultType.NODE, Source.HEALTH_CHECK)
 
     # -- stragglers -------------------------------------------------------------------------
 
     def progress(self, node: Node, beat: Heartbeat) -> None:
-        from planaria.master.job import JobState
-
-        master = self.master
-        info = master.rounds.world.get(node.node_id)
-        if (
-            info is None
-            or beat.round != master.rounds.round
-            or master.state is not JobState.RUNNING
-        ):
+        job = self.job
+        info = job.world.get(node.node_id)
+        if info is None or beat.round != job.round or not job.training:
             return
         if self._times_round != beat.round:
             self._times, self._times_round = {}, beat.round
@@ -206,33 +216,32 @@ class Diagnosis:
             self._flag(straggler)
 
     def _flag(self, straggler: Straggler) -> None:
-        master = self.master
         self.stragglers.append(straggler)
-        node = master.nodes[straggler.node]
-        replace = self.policy.replace_stragglers and not node.phase.gone
-        master.timeline.emit(
-            EventKind.STRAGGLER_DETECTED,
-            straggler.describe(),
-            node=straggler.node,
-            rank=straggler.rank,
-            metric=straggler.metric,
-            seconds=straggler.seconds,
-            others_s=straggler.others_s,
-            ratio=straggler.ratio,
-            factor=self.policy.straggler_factor,
-            action="replace the node" if replace else "none (diagnosis.replace_stragglers: false)",
-        )
-        if not replace:
-            return
+        node = self.job.nodes[straggler.node]
         fault = Fault(
             kind="straggler",
             node=node.node_id,
             rank=straggler.rank,
             detail=straggler.describe(),
             time=time.time(),
-            action=f"replace the node, exclude host {node.host}",
+            action="",
             last_step=node.step,
             fault_class=FaultClass.NODE.value,
             reason=f"{straggler.metric} time {straggler.ratio:.1f}x the other ranks' median",
         )
-        master._lose_node(node, fault, exclude_host=True)
+
+        def announce(decision: Decision) -> None:
+            self.job.emit(
+                EventKind.STRAGGLER_DETECTED,
+                straggler.describe(),
+                node=straggler.node,
+                rank=straggler.rank,
+                metric=straggler.metric,
+                seconds=straggler.seconds,
+                others_s=straggler.others_s,
+                ratio=straggler.ratio,
+                factor=self.policy.straggler_factor,
+                action=decision.action,
+            )
+
+        self.job.report_fault(fault, FaultType.NODE, Source.STRAGGLER, before=announce)

@@ -11,6 +11,9 @@ nodes are told ``done`` and the master opens the first rendezvous round.
 
 A node that registers once training runs (a replacement at run time) skips the pre-flight: the
 health checks still gate every round it joins.
+
+Over 400 lines: one session's state machine (gathering, round 1, round 2, newcomers) and the
+events that tell it, which read best together; its judgement is pure and lives apart.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from planaria.diagnosis.messages import (
     PreflightOrder,
@@ -31,6 +34,7 @@ from planaria.diagnosis.policy import PreflightPolicy
 from planaria.diagnosis.preflight import (
     NEWCOMER,
     Outcome,
+    PreflightReport,
     Verdict,
     baseline,
     groups_of,
@@ -41,10 +45,10 @@ from planaria.diagnosis.preflight import (
 )
 from planaria.events import EventKind
 from planaria.log import get_logger
+from planaria.master.control import JobControl
+from planaria.master.policy import Decision, FaultType, Source
+from planaria.master.state import BadReport, Node, NodePhase
 from planaria.master.timeline import Fault
-
-if TYPE_CHECKING:
-    from planaria.master.job import Master, Node
 
 log = get_logger("master.preflight")
 
@@ -68,24 +72,9 @@ class _Group:
         return len(self.results) == len(self.members)
 
 
-@dataclass
-class PreflightReport:
-    """What the summary shows: how many nodes, in how many rounds, and the verdicts."""
-
-    nodes: int = 0
-    rounds: int = 0
-    baseline: dict[str, float] = field(default_factory=dict)
-    """Per measure, the good nodes' median."""
-    slowest: dict[str, tuple[str, float]] = field(default_factory=dict)
-    """Per measure, the slowest good node and its time."""
-    verdicts: list[Verdict] = field(default_factory=list)
-    hosts: dict[str, str] = field(default_factory=dict)
-    actions: dict[str, str] = field(default_factory=dict)
-
-
 class Preflight:
-    def __init__(self, master: Master, policy: PreflightPolicy) -> None:
-        self.master = master
+    def __init__(self, job: JobControl, policy: PreflightPolicy) -> None:
+        self.job = job
         self.policy = policy
         self.stage = "gathering"
         self.finished = not policy.enabled
@@ -102,7 +91,6 @@ class Preflight:
         self.first_why: dict[str, str] = {}
         self.pool: list[Outcome] = []
         """What the known-good nodes measured: the yardstick of round 2 and newcomers."""
-        self.replaced = 0
         self.report = PreflightReport()
         self._numbers = 0
         self._judged: set[str] = set()
@@ -114,10 +102,8 @@ class Preflight:
         return any(node_id in g.members and node_id not in g.results for g in self.groups.values())
 
     async def next(self, poll: PreflightPoll, hold: float) -> PreflightOrder:
-        from planaria.master.job import NodePhase
-
-        master = self.master
-        node = master._touch(poll.node_id)
+        job = self.job
+        node = job.heard_from(poll.node_id)
         if poll.running is not None:
             return await self._watch(node, poll.running, hold)
         self.offers[poll.node_id] = (poll.addr, poll.port)
@@ -128,8 +114,8 @@ class Preflight:
             self.tick(now)
         deadline = now + hold
         while True:
-            if master.state.terminal or node.phase.gone:
-                return PreflightOrder(state="exit", reason=master.reason or "replaced")
+            if job.stopping or node.phase.gone:
+                return PreflightOrder(state="exit", reason=job.stop_reason or "replaced")
             task = self.orders.pop(poll.node_id, None)
             if task is not None:
                 return PreflightOrder(state="run", task=task)
@@ -148,7 +134,7 @@ class Preflight:
         deadline = time.time() + hold
         while True:
             group = self.groups.get(name)
-            if group is None or group.aborted or self.master.state.terminal:
+            if group is None or group.aborted or self.job.stopping:
                 why = group.aborted if group else "the group was closed"
                 return PreflightOrder(state="abort", reason=why)
             remaining = deadline - time.time()
@@ -159,9 +145,7 @@ class Preflight:
                 await asyncio.wait_for(node.wake.wait(), remaining)
 
     def result(self, result: PreflightResult) -> None:
-        from planaria.master.job import BadReport
-
-        self.master._touch(result.node_id)
+        self.job.heard_from(result.node_id)
         group = self.groups.get(result.group)
         if group is None or result.node_id not in group.members:
             if any(g.name == result.group for g in self.closed):
@@ -174,13 +158,13 @@ class Preflight:
         if result.status != "ok" and not group.aborted:
             group.aborted = f"{result.node_id} {result.status}: {result.error}"[:300]
             for member in group.members:
-                self.master.nodes[member].wake.set()
+                self.job.nodes[member].wake.set()
         self.tick(time.time())
 
     # -- the session ------------------------------------------------------------------------
 
     def tick(self, now: float) -> None:
-        if self.finished or self.master.state.terminal:
+        if self.finished or self.job.stopping:
             return
         for group in list(self.groups.values()):
             for member in group.members:
@@ -200,19 +184,19 @@ class Preflight:
             self._newcomers(now)
 
     def _gone(self, node_id: str) -> bool:
-        node = self.master.nodes.get(node_id)
+        node = self.job.nodes.get(node_id)
         return node is None or node.phase.gone
 
     def _gather(self, now: float) -> None:
-        settings = self.master.settings
-        expected = {n.node_id for n in self.master.nodes.values() if not n.phase.gone}
+        settings = self.job.settings
+        expected = {n.node_id for n in self.job.nodes.values() if not n.phase.gone}
         here = [n for n in self.arrived if n in expected]
         everyone = bool(here) and expected <= set(here)
         enough = len(here) >= settings.min_nodes and now - self.last_arrival >= settings.join_grace
         if everyone or enough:
             self._start("round 1", groups_of(here))
         elif now - self.started > settings.join_timeout:
-            self.master.fail(
+            self.job.stop(
                 f"pre-flight: {len(here)} node(s) came within {settings.join_timeout:g}s, at "
                 f"least {settings.min_nodes} needed"
             )
@@ -257,11 +241,11 @@ class Preflight:
             return
         coming = [
             n.node_id
-            for n in self.master.nodes.values()
+            for n in self.job.nodes.values()
             if not n.phase.gone and n.node_id not in self.checked
         ]
-        late = now - self.settled_at > self.master.settings.join_timeout
-        if (coming or self.master.replacing()) and not late:
+        late = now - self.settled_at > self.job.settings.join_timeout
+        if (coming or self.job.replacing()) and not late:
             return
         if coming:
             log.warning("pre-flight: nodes did not come; they skip it", nodes=coming)
@@ -311,7 +295,7 @@ class Preflight:
                     master_port=port,
                     benchmark=spec,
                 )
-                self.master.nodes[member].wake.set()
+                self.job.nodes[member].wake.set()
         log.info("pre-flight groups formed", stage=stage, groups=groups)
 
     def _close(self, group: _Group) -> None:
@@ -328,9 +312,8 @@ class Preflight:
     # -- verdicts ---------------------------------------------------------------------------
 
     def _act(self, verdict: Verdict) -> None:
-        master = self.master
         self.checked.add(verdict.node)
-        node = master.nodes[verdict.node]
+        node = self.job.nodes[verdict.node]
         self.report.verdicts.append(verdict)
         self.report.hosts[verdict.node] = node.host
         if node.phase.gone:
@@ -340,12 +323,30 @@ class Preflight:
             self.good.append(verdict.node)
             self.report.actions[verdict.node] = "none"
             return
+        what = "failed" if verdict.kind == "faulty" else "is slow in"
+        fault = Fault(
+            kind="preflight",
+            node=node.node_id,
+            detail=f"node {node.node_id} ({node.host}) {what} the pre-flight check: "
+            + verdict.detail,
+            time=time.time(),
+            action="",
+            fault_class="node",
+            reason=f"pre-flight: {verdict.kind}",
+        )
+
+        def announce(decision: Decision) -> None:
+            self._announce(node, fault, verdict, decision)
+
+        source = Source.PREFLIGHT if verdict.kind == "faulty" else Source.PREFLIGHT_STRAGGLER
+        decision = self.job.report_fault(fault, FaultType.NODE, source, before=announce)
+        self.report.actions[node.node_id] = decision.action
+
+    def _announce(self, node: Node, fault: Fault, verdict: Verdict, decision: Decision) -> None:
         if verdict.kind == "faulty":
-            detail = f"node {node.node_id} ({node.host}) failed the pre-flight check: "
-            detail += verdict.detail
-            master.timeline.emit(
+            self.job.emit(
                 EventKind.FAULT_DETECTED,
-                detail,
+                fault.detail,
                 node=node.node_id,
                 fault="preflight",
                 fault_class="node",
@@ -353,16 +354,12 @@ class Preflight:
                 first=verdict.first,
                 host=node.host,
             )
-            self._remove(node, detail, verdict)
             return
         slow = verdict.slow
         assert slow is not None
-        replace = self.policy.replace_stragglers and not self.policy.only
-        detail = f"node {node.node_id} ({node.host}) is slow in the pre-flight check: "
-        detail += verdict.detail
-        master.timeline.emit(
+        self.job.emit(
             EventKind.STRAGGLER_DETECTED,
-            detail,
+            fault.detail,
             node=node.node_id,
             preflight=True,
             metric=slow.measure,
@@ -372,36 +369,8 @@ class Preflight:
             factor=self.policy.factor,
             first=verdict.first,
             host=node.host,
-            action="replace the node" if replace else "none (report only)",
+            action=decision.action,
         )
-        if replace:
-            self._remove(node, detail, verdict)
-        else:
-            self.report.actions[verdict.node] = "none (report only)"
-
-    def _remove(self, node: Node, detail: str, verdict: Verdict) -> None:
-        fault = Fault(
-            kind="preflight",
-            node=node.node_id,
-            detail=detail,
-            time=time.time(),
-            action=f"replace the node, exclude host {node.host}",
-            fault_class="node",
-            reason=f"pre-flight: {verdict.kind}",
-        )
-        if self.policy.only:
-            fault.action = "none (planaria check --preflight reports only)"
-            self.master.faults.append(fault)
-        elif self.replaced >= self.master.settings.max_nodes:
-            fault.action = (
-                f"stop the node, no replacement: the pre-flight replaced {self.replaced} "
-                "node(s) already"
-            )
-            self.master._lose_node(node, fault, exclude_host=True, replace=False)
-        else:
-            self.replaced += 1
-            self.master._lose_node(node, fault, exclude_host=True)
-        self.report.actions[node.node_id] = fault.action
 
     # -- events -----------------------------------------------------------------------------
 
@@ -423,7 +392,7 @@ class Preflight:
         else:
             found = ", ".join(f"{v.node} {v.kind}" for v in verdicts or [])
             message = f"pre-flight {stage}: {found}"
-        self.master.timeline.emit(
+        self.job.emit(
             EventKind.PREFLIGHT_ROUND,
             message,
             stage=stage,
@@ -462,7 +431,7 @@ class Preflight:
             f"pre-flight: {report.nodes} node(s) checked in {report.rounds} round(s); faulty: "
             f"{names(faulty)}; stragglers: {names(slow)}; cleared: {names(cleared)}"
         )
-        self.master.timeline.emit(
+        self.job.emit(
             EventKind.PREFLIGHT_COMPLETED,
             message,
             nodes=sorted(self.checked),
@@ -473,9 +442,9 @@ class Preflight:
                 for v in report.verdicts
             ],
         )
-        for node in self.master.nodes.values():
+        for node in self.job.nodes.values():
             node.wake.set()
-        self.master._preflight_done(faulty=len(faulty), stragglers=len(slow), message=message)
+        self.job.preflight_finished(passed=not faulty and not slow, message=message)
 
 
 def _verdict_json(v: Verdict) -> dict[str, Any]:

@@ -10,6 +10,7 @@ killed in the middle of its first save) restores from storage.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from planaria.protocol import MemoryHolding, RendezvousInfo
 
@@ -39,3 +40,35 @@ def agree(
         return None, "the ranks hold no common step in memory"
     step = max(common)
     return step, f"every rank holds step {step} in memory"
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    restore: str
+    """What the workers are told: ``memory:<step>`` or ``storage``."""
+    persist_step: int | None
+    """The step to persist first (from memory), if storage lacks it."""
+    where: str
+    """``memory (step N)`` or ``storage``, as the summary says it."""
+    why: str
+
+
+def plan(
+    world: Mapping[str, RendezvousInfo],
+    memory: Mapping[str, list[MemoryHolding]],
+    procs_per_node: int,
+    *,
+    persist_on_fault: bool,
+    restarted: bool,
+    committed_step: int,
+) -> RestorePlan:
+    """Memory when every rank of the new world holds a common step, else storage; with
+    ``persist_on_fault``, a restart also persists that step if storage lacks it."""
+    step, why = agree(world, memory, procs_per_node)
+    persist = persist_on_fault and restarted and step is not None and step > committed_step
+    return RestorePlan(
+        restore="storage" if step is None else f"memory:{step}",
+        persist_step=step if persist else None,
+        where="storage" if step is None else f"memory (step {step})",
+        why=why,
+    )

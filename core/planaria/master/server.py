@@ -19,7 +19,8 @@ from pydantic import BaseModel, ValidationError
 
 from planaria.diagnosis.messages import HangReport, HealthReport, PreflightPoll, PreflightResult
 from planaria.log import get_logger
-from planaria.master.job import BadReport, Master, RegistrationRefused
+from planaria.master.job import Master
+from planaria.master.state import BadReport, RegistrationRefused
 from planaria.protocol import (
     API_PREFIX,
     Ack,
@@ -233,7 +234,7 @@ def make_app(
         return _json(Ack())
 
     async def chaos(request: web.Request) -> web.StreamResponse:
-        master.chaos(await _body(request, ChaosReport))
+        master.diagnosis.chaos(await _body(request, ChaosReport))
         return _json(Ack())
 
     async def checkpoint(request: web.Request) -> web.StreamResponse:
@@ -241,11 +242,11 @@ def make_app(
         return _json(Ack())
 
     async def hang(request: web.Request) -> web.StreamResponse:
-        master.hang(await _body(request, HangReport))
+        master.diagnosis.hang(await _body(request, HangReport))
         return _json(Ack())
 
     async def health(request: web.Request) -> web.StreamResponse:
-        master.unhealthy(await _body(request, HealthReport))
+        master.diagnosis.unhealthy(await _body(request, HealthReport))
         return _json(Ack())
 
     async def preflight_next(request: web.Request) -> web.StreamResponse:

@@ -6,13 +6,10 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from planaria.diagnosis.preflight import PreflightReport
 from planaria.diagnosis.stragglers import Straggler
 from planaria.events import EventKind, JobEvent
-
-if TYPE_CHECKING:
-    from planaria.master.preflight import PreflightReport
 
 
 @dataclass

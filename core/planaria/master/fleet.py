@@ -1,0 +1,221 @@
+"""The job's nodes: the registry agents register into, their heartbeats, and every scheduler
+call, on one thread of its own.
+
+A local scheduler's child processes are tied to the thread that started them, and a cluster
+manager's client may block for seconds: scheduler calls never run on the master's loop.
+Replacements and releases run as background tasks; the job's end waits for them, so nothing of
+the job writes to its timeline after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from planaria.events import EventKind
+from planaria.log import get_logger
+from planaria.master.state import Node, NodePhase, RegistrationRefused
+from planaria.master.timeline import Timeline
+from planaria.protocol import Action, NodeStatus, RegisterRequest
+from planaria.scheduler.api import LaunchSpec, NodeEvent, NodeHandle, Scheduler
+
+log = get_logger("master")
+
+T = TypeVar("T")
+
+
+class Fleet:
+    def __init__(
+        self,
+        scheduler: Scheduler[Any],
+        timeline: Timeline,
+        heartbeat_interval: float,
+        heartbeat_timeout: float,
+    ) -> None:
+        self.scheduler = scheduler
+        self.timeline = timeline
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self.nodes: dict[str, Node] = {}
+        self.launching = 0
+        """Launches in flight: their agents may register before the scheduler answers."""
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scheduler")
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._replacing = 0
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+
+    async def launch(self, spec: LaunchSpec, count: int) -> list[NodeHandle]:
+        """Ask for ``count`` nodes running ``spec``; they are known (``launched``) from then on."""
+        self.launching += 1
+        try:
+            handles = await self.call(self.scheduler.launch, spec, count)
+        finally:
+            self.launching -= 1
+        for handle in handles:
+            self.nodes[handle.node_id] = Node(handle.node_id, handle.host)
+        return handles
+
+    def replace(self, node: Node, *, exclude_host: bool) -> Awaitable[Node]:
+        """Ask for a new node in ``node``'s place: awaiting it gives the node (or raises the
+        scheduler's error). It counts as coming (:meth:`replacing`) from this call on, not
+        from when the scheduler's thread gets to it."""
+        self._replacing += 1
+
+        async def ask() -> Node:
+            try:
+                handle = await self.call(
+                    self.scheduler.replace, node.node_id, exclude_host=exclude_host
+                )
+                new = self.nodes[handle.node_id] = Node(handle.node_id, handle.host)
+            finally:
+                self._replacing -= 1
+            return new
+
+        return ask()
+
+    async def release(self, node: Node) -> None:
+        """Stop ``node``; no other comes in its place. A failure is only logged: the node is
+        out of the job either way."""
+        try:
+            await self.call(self.scheduler.stop, [node.node_id])
+        except Exception as exc:
+            log.warning("stopping a node failed", node=node.node_id, error=str(exc))
+
+    async def poll(self) -> list[NodeEvent]:
+        return await self.call(self.scheduler.poll, 0.0)
+
+    def background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` (a replacement, a release) on the loop; :meth:`close` waits for it."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def replacing(self) -> int:
+        """Replacements asked of the scheduler that have not come back yet."""
+        return self._replacing
+
+    def alive(self, but: str | None = None) -> int:
+        """Nodes in the job (not gone), ``but`` one not counted."""
+        return sum(1 for n in self.nodes.values() if not n.phase.gone and n.node_id != but)
+
+    def settled(self) -> bool:
+        """Every node is out of the job, or was never started (a launch the job's end cut)."""
+        return all(n.phase.gone or n.phase is NodePhase.LAUNCHED for n in self.nodes.values())
+
+    def statuses(self, rank_of: Mapping[str, int]) -> list[NodeStatus]:
+        """Every node as ``/v1/status`` shows it; ``rank_of``: the running world's ranks."""
+        return [
+            NodeStatus(
+                node_id=n.node_id,
+                host=n.host,
+                state=n.phase.value,
+                node_rank=rank_of.get(n.node_id),
+                step=n.step,
+            )
+            for n in self.nodes.values()
+        ]
+
+    def register(self, request: RegisterRequest) -> Node:
+        """Accept an agent for a node this job launched, once. The token alone does not make
+        a node: an id the scheduler never reported is refused (while a launch is in flight,
+        with "ask again": its agent may be faster than the scheduler's answer), and so is a
+        second agent for a registered node. Every refusal is in the timeline."""
+        node = self.nodes.get(request.node_id)
+        if node is None:
+            if self.launching or self._replacing:
+                raise RegistrationRefused(
+                    f"node {request.node_id!r} is not known yet; ask again", retry=True
+                )
+            raise self._refuse(request, "this job never launched a node of that id")
+        if node.phase.gone:
+            raise self._refuse(request, f"the node is {node.phase.value}: it is out of the job")
+        if node.phase is not NodePhase.LAUNCHED:
+            if (node.pid, node.host, node.addr) == (request.pid, request.host, request.addr):
+                node.last_seen = time.monotonic()  # the same agent asking again: its reply
+                return node  # was lost on the way
+            raise self._refuse(
+                request,
+                f"the node is registered already (agent pid {node.pid} on {node.host})",
+            )
+        node.addr = request.addr
+        node.pid = request.pid
+        node.phase = NodePhase.REGISTERED
+        node.last_seen = time.monotonic()
+        log.info("node registered", node=request.node_id, host=request.host, pid=request.pid)
+        return node
+
+    def _refuse(self, request: RegisterRequest, why: str) -> RegistrationRefused:
+        message = (
+            f"registration of node {request.node_id!r} (host {request.host}, pid {request.pid}) "
+            f"refused: {why}"
+        )
+        log.warning("registration refused", node=request.node_id, why=why)
+        self.timeline.emit(
+            EventKind.REGISTRATION_REFUSED,
+            message,
+            node=request.node_id,
+            host=request.host,
+            pid=request.pid,
+        )
+        return RegistrationRefused(message)
+
+    # -- heartbeats ---------------------------------------------------------------------------
+
+    async def next_action(self, node: Node, hold: float, *, stopping: bool) -> Action | None:
+        """Hold a node's long poll until there is an action for it, at most ``hold`` seconds."""
+        if node.action is None and not stopping:
+            node.wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(node.wake.wait(), timeout=hold)
+        action, node.action = node.action, None
+        return action
+
+    def silent(self, now: float, but: Callable[[str], bool]) -> list[Node]:
+        """Registered nodes in the job not heard from for the heartbeat timeout (``now`` on the
+        monotonic clock), except those ``but`` excuses. A node still pending is the scheduler's
+        business; the rendezvous timeout covers one that never comes."""
+        return [
+            node
+            for node in list(self.nodes.values())
+            if now - node.last_seen > self.heartbeat_timeout
+            and node.phase is not NodePhase.LAUNCHED
+            and not node.phase.gone
+            and not but(node.node_id)
+        ]
+
+    def stall_threshold(self) -> float:
+        """A gap between two ticks beyond which the master counts itself as having stalled."""
+        return max(0.5, min(self.heartbeat_interval, self.heartbeat_timeout / 4))
+
+    def renew_after_stall(self, gap: float) -> None:
+        """After the master itself stalled (stopped, swapped out, starved of CPU), the silence
+        it saw is its own: heartbeats queued on its sockets have not been read yet. Like a
+        lease holder after a pause, it does not count its blind time against any node: every
+        heartbeat window is moved on by the stall (a node that was heard just before a long
+        stall gets a fresh window). Silence outside stalls still adds up, so a master that
+        keeps stalling still finds a node that went quiet, only later."""
+        if gap <= self.stall_threshold():
+            return
+        now = time.monotonic()
+        for node in self.nodes.values():
+            node.last_seen = min(now, node.last_seen + gap)
+        log.warning("master stalled; heartbeat windows renewed", seconds=round(gap, 3))
+        if gap > self.heartbeat_interval * 2:
+            self.timeline.emit(
+                EventKind.MASTER_STALLED,
+                f"the master stalled for {gap:.1f}s; every node's heartbeat window renewed",
+                seconds=round(gap, 3),
+            )
+
+    async def close(self) -> None:
+        """Wait for replacements in flight, stop every node, end the scheduler's thread."""
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.call(self.scheduler.stop, None)
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,230 @@
+"""Carrying out what the policy decides about a fault, and the job's faults with their outcome.
+
+:func:`planaria.master.policy.decide` says what a fault calls for; :class:`Recovery` does it:
+takes the node out, restarts the running world (spending the restart budget), asks the
+scheduler for a node in its place or lets the job go on without it, or stops the job. It keeps
+every fault with what became of it (where the restart restored from, when training ran again,
+the steps lost) for the timeline and the summary.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from planaria.events import EventKind
+from planaria.log import get_logger
+from planaria.master.fleet import Fleet
+from planaria.master.policy import (
+    PREFLIGHT_SOURCES,
+    Act,
+    Decision,
+    FaultType,
+    NodeFault,
+    ReplacementFailed,
+    Rules,
+    Situation,
+    Source,
+    decide,
+)
+from planaria.master.rounds import Rounds
+from planaria.master.state import Node, NodePhase
+from planaria.master.timeline import Fault, Timeline
+from planaria.protocol import Action
+
+log = get_logger("master")
+
+
+class Restartable(Protocol):
+    """What recovery asks of the job itself."""
+
+    @property
+    def training(self) -> bool: ...
+
+    @property
+    def stopping(self) -> bool: ...
+
+    def open_round(self) -> int:
+        """Dissolve the running world (if any) and start forming the next round."""
+        ...
+
+    def stop(self, reason: str) -> None: ...
+
+
+class Recovery:
+    def __init__(
+        self, job: Restartable, rules: Rules, fleet: Fleet, rounds: Rounds, timeline: Timeline
+    ) -> None:
+        self.job = job
+        self.rules = rules
+        self.fleet = fleet
+        self.rounds = rounds
+        self.timeline = timeline
+        self.faults: list[Fault] = []
+        self.restarts = 0
+        self.preflight_replaced = 0
+        """Nodes the pre-flight check had replaced: it may not ask for more than ``max``."""
+
+    def situation(self, but: str | None = None) -> Situation:
+        return Situation(
+            restarts=self.restarts,
+            training=self.job.training,
+            stopping=self.job.stopping,
+            nodes_left=self.fleet.alive(but=but) + self.fleet.replacing(),
+            preflight_replaced=self.preflight_replaced,
+        )
+
+    def report(
+        self,
+        fault: Fault,
+        type_: FaultType,
+        source: Source,
+        before: Callable[[Decision], None] | None = None,
+    ) -> Decision:
+        node = self.fleet.nodes[fault.node]
+        event = NodeFault(
+            type=type_,
+            source=source,
+            node=node.node_id,
+            host=node.host,
+            detail=fault.detail,
+            reason=fault.reason,
+            in_world=node.node_id in self.rounds.world,
+            node_gone=node.phase.gone,
+        )
+        decision = decide(self.rules, self.situation(but=node.node_id), event)
+        fault.action = decision.action
+        if before is not None:
+            before(decision)
+        node.step = max(node.step, fault.last_step)
+        if decision.remove:
+            self._take_out(node, fault.detail)
+        if decision.record:
+            self.faults.append(fault)
+        if decision.act is Act.STOP:
+            self.job.stop(decision.reason)
+            return decision
+        if decision.restart:
+            self._restart(fault)
+        if decision.act is Act.REPLACE:
+            if source in PREFLIGHT_SOURCES:
+                self.preflight_replaced += 1
+            answer = self.fleet.replace(node, exclude_host=decision.exclude_host)
+            self.fleet.background(self._replaced(node, answer, decision.exclude_host))
+        elif decision.act is Act.SHRINK:
+            self.fleet.background(self._release(node, fault))
+        return decision
+
+    def node_lost(self, node: Node, why: str) -> None:
+        """The node's agent ended, or went silent."""
+        fault = Fault(
+            kind="node_lost",
+            node=node.node_id,
+            detail=f"node {node.node_id} ({node.host}) lost: {why}",
+            time=time.time(),
+            action="",
+            last_step=node.step,
+        )
+        self.timeline.emit(
+            EventKind.FAULT_DETECTED, fault.detail, node=node.node_id, fault="node_lost"
+        )
+        self.report(fault, FaultType.LOST, Source.AGENT)
+
+    def _take_out(self, node: Node, why: str) -> None:
+        if node.phase.gone:
+            return
+        node.phase = NodePhase.LOST
+        self.rounds.leave(node.node_id)
+        node.send(Action(kind="exit", reason=why))
+
+    def _restart(self, fault: Fault) -> None:
+        self.restarts += 1
+        round_now = self.job.open_round()
+        fault.restart_round = round_now
+        for node in self.fleet.nodes.values():
+            if not node.phase.gone and node.phase is not NodePhase.LAUNCHED:
+                node.send(Action(kind="restart", round=round_now, reason=fault.detail))
+        self.timeline.emit(
+            EventKind.WORKERS_RESTARTED,
+            f"restart {self.restarts}/{self.rules.max_restarts}: {fault.action} "
+            f"after {fault.detail}",
+            round=round_now,
+            restart=self.restarts,
+        )
+
+    async def _replaced(self, node: Node, answer: Awaitable[Node], exclude_host: bool) -> None:
+        try:
+            new = await answer
+        except Exception as exc:
+            if self.job.stopping:
+                return  # the job ended meanwhile and interrupted the scheduler: no news
+            log.warning("node replacement failed", node=node.node_id, error=str(exc))
+            self.timeline.emit(
+                EventKind.NODE_REPLACED,
+                f"replacing {node.node_id} failed: {exc}",
+                node=node.node_id,
+                ok=False,
+            )
+            failed = ReplacementFailed(node.node_id, str(exc))
+            decision = decide(self.rules, self.situation(), failed)
+            if decision.act is Act.STOP:
+                self.job.stop(decision.reason)
+            return
+        if self.job.stopping:
+            return
+        if exclude_host:
+            self.timeline.emit(
+                EventKind.NODE_EXCLUDED,
+                f"host {node.host} excluded (node {node.node_id})",
+                node=node.node_id,
+                host=node.host,
+            )
+        self.timeline.emit(
+            EventKind.NODE_REPLACED,
+            f"node {node.node_id} replaced by {new.node_id} on {new.host}",
+            node=node.node_id,
+            replacement=new.node_id,
+        )
+
+    async def _release(self, node: Node, fault: Fault) -> None:
+        await self.fleet.release(node)
+        self.timeline.emit(
+            EventKind.NODE_REPLACED,
+            f"node {node.node_id} ({node.host}) stopped, not replaced: {fault.action}",
+            node=node.node_id,
+            ok=False,
+        )
+
+    # -- what became of the faults -----------------------------------------------------------
+
+    def progressed(self, step: int) -> None:
+        """A node that joins says how far training got: the survivors know best."""
+        for fault in self.faults:
+            if fault.recovered_at is None:
+                fault.last_step = max(fault.last_step, step)
+
+    def restored(self, round_: int, where: str) -> None:
+        for fault in self.faults:
+            if fault.restart_round == round_:
+                fault.restored_from = where
+
+    def first_step(self, round_: int, at: float, first: int | None) -> None:
+        """Round ``round_`` completed its first step (``first``) at ``at``: the faults that
+        restarted it are recovered."""
+        for fault in self.faults:
+            if fault.restart_round == round_ and fault.recovered_at is None:
+                fault.recovered_at = at
+                fault.first_step_after = first
+                self.timeline.emit(
+                    EventKind.WORKERS_RESTARTED,
+                    f"recovered from {fault.kind} in {fault.recovery_s:.2f}s",
+                    node=fault.node,
+                    recovery_s=fault.recovery_s,
+                    steps_lost=fault.steps_lost,
+                    round=round_,
+                )
+
+    @property
+    def downtime_s(self) -> float:
+        return sum(f.recovery_s or 0.0 for f in self.faults)

@@ -1,0 +1,105 @@
+"""The master's records of a job: its state, its nodes, its settings, and the errors of its API.
+
+Plain data shared by the master (:mod:`planaria.master.job`) and the parts that observe the job
+through :class:`planaria.master.control.JobControl`; nothing here acts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from planaria.diagnosis.policy import DiagnosisPolicy
+from planaria.master.policy import Rules
+from planaria.protocol import Action, JobSpec, MemoryHolding
+
+
+class BadReport(ValueError):
+    """A request that is well-formed but makes no sense for the job."""
+
+
+class RegistrationRefused(PermissionError):
+    """A registration the master will not accept: a node id it never launched, or a second
+    agent claiming a node that is already registered. ``retry``: the id may still come (a
+    launch is in flight), so the agent should ask again shortly."""
+
+    def __init__(self, message: str, *, retry: bool = False) -> None:
+        super().__init__(message)
+        self.retry = retry
+
+
+class JobState(str, Enum):
+    STARTING = "starting"
+    PREFLIGHT = "preflight"
+    RENDEZVOUS = "rendezvous"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED)
+
+
+class NodePhase(str, Enum):
+    LAUNCHED = "launched"
+    REGISTERED = "registered"
+    PREFLIGHT = "preflight"
+    JOINED = "joined"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STANDBY = "standby"
+    LOST = "lost"
+    EXITED = "exited"
+
+    @property
+    def gone(self) -> bool:
+        return self in (NodePhase.LOST, NodePhase.EXITED)
+
+
+@dataclass
+class Node:
+    node_id: str
+    host: str
+    phase: NodePhase = NodePhase.LAUNCHED
+    addr: str = ""
+    last_seen: float = field(default_factory=time.monotonic)
+    """When the master last heard from the node, on the monotonic clock (a wall-clock step
+    must not make every node look silent)."""
+    pid: int | None = None
+    action: Action | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set to end the node's long poll early: an action for it, or news for the pre-flight."""
+    step: int = -1
+    memory: list[MemoryHolding] = field(default_factory=list)
+
+    def send(self, action: Action) -> None:
+        self.action = action
+        self.wake.set()
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    spec: JobSpec
+    min_nodes: int
+    max_nodes: int
+    node_unit: int
+    join_grace: float
+    join_timeout: float
+    diagnosis: DiagnosisPolicy = field(default_factory=DiagnosisPolicy)
+
+    @property
+    def rules(self) -> Rules:
+        """What of these the fault policy decides with."""
+        return Rules(
+            max_restarts=self.spec.max_restarts,
+            min_nodes=self.min_nodes,
+            max_nodes=self.max_nodes,
+            on_user_error=self.diagnosis.on_user_error,
+            replace_stragglers=self.diagnosis.replace_stragglers,
+            preflight_replace_stragglers=self.diagnosis.preflight.replace_stragglers,
+            preflight_only=self.diagnosis.preflight.only,
+        )

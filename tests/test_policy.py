@@ -1,0 +1,178 @@
+"""The master's fault policy, one row per branch: (rules, situation, event) -> decision."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from planaria.master.policy import (
+    CANNOT_START,
+    Act,
+    Decision,
+    FaultType,
+    NodeFault,
+    ReplacementFailed,
+    Rules,
+    Situation,
+    Source,
+    decide,
+)
+
+RULES = Rules(max_restarts=3, min_nodes=2, max_nodes=4)
+TRAINING = Situation(restarts=0, training=True, nodes_left=3)
+
+
+def fault(type_: FaultType, source: Source = Source.WORKERS, **kw: object) -> NodeFault:
+    base = NodeFault(
+        type=type_,
+        source=source,
+        node="node-1",
+        host="host-1",
+        detail="rank 1 (node node-1) exit code 1",
+        reason="KeyError: 'lr'",
+        in_world=True,
+    )
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def preflight(source: Source = Source.PREFLIGHT) -> NodeFault:
+    return fault(FaultType.NODE, source, in_world=False)
+
+
+BEFORE_TRAINING = Situation(nodes_left=3)
+EXCLUDE = "replace the node, exclude host host-1"
+
+# id, rules, situation, event, decision (act, action, remove, exclude_host, restart, record)
+ROWS = [
+    ("transient restarts in place", RULES, TRAINING, fault(FaultType.TRANSIENT),
+     (Act.RESTART, "restart workers in place", False, False, True, True)),
+    ("hang restarts in place", RULES, TRAINING, fault(FaultType.HANG, Source.WATCHDOG),
+     (Act.RESTART, "restart workers in place", False, False, True, True)),
+    ("user error restarts by default", RULES, TRAINING, fault(FaultType.USER),
+     (Act.RESTART, "restart workers in place", False, False, True, True)),
+    ("user error stops with on_user_error: stop", replace(RULES, on_user_error="stop"),
+     TRAINING, fault(FaultType.USER),
+     (Act.STOP, "stop (diagnosis.on_user_error: stop)", False, False, False, True)),
+    ("workers that cannot start stop the job", RULES, TRAINING,
+     fault(FaultType.USER, Source.START),
+     (Act.STOP, CANNOT_START, False, False, False, True)),
+    ("budget spent stops a transient fault", RULES, replace(TRAINING, restarts=3),
+     fault(FaultType.TRANSIENT),
+     (Act.STOP, "stop: restart budget spent", False, False, False, True)),
+    ("node fault replaces, excludes and restarts", RULES, TRAINING, fault(FaultType.NODE),
+     (Act.REPLACE, EXCLUDE, True, True, True, True)),
+    ("node fault with max_restarts 0 stops, no replacement",
+     replace(RULES, max_restarts=0), TRAINING, fault(FaultType.NODE),
+     (Act.STOP, "stop: restart budget spent", True, False, False, True)),
+    ("lost node is replaced, its host kept", RULES, TRAINING,
+     fault(FaultType.LOST, Source.AGENT),
+     (Act.REPLACE, "replace the node", True, False, True, True)),
+    ("lost node outside the world spends no restart", RULES,
+     replace(TRAINING, restarts=3), fault(FaultType.LOST, Source.AGENT, in_world=False),
+     (Act.REPLACE, "replace the node", True, False, False, True)),
+    ("node fault while a round forms spends no restart", RULES,
+     replace(TRAINING, training=False), fault(FaultType.NODE, Source.HEALTH_CHECK),
+     (Act.REPLACE, EXCLUDE, True, True, False, True)),
+    ("late node fault still takes the node out", RULES, TRAINING,
+     fault(FaultType.NODE, Source.LATE),
+     (Act.REPLACE, EXCLUDE, True, True, True, True)),
+    ("late transient fault: its round restarted already", RULES, TRAINING,
+     fault(FaultType.TRANSIENT, Source.LATE),
+     (Act.NONE, "none (its round was restarted already)", False, False, False, False)),
+    ("late user error never stops", replace(RULES, on_user_error="stop"), TRAINING,
+     fault(FaultType.USER, Source.LATE),
+     (Act.NONE, "none (its round was restarted already)", False, False, False, False)),
+    ("transient with no round running", RULES, replace(TRAINING, training=False),
+     fault(FaultType.TRANSIENT),
+     (Act.NONE, "none (its round was restarted already)", False, False, False, False)),
+    ("job already stopping", RULES, replace(TRAINING, stopping=True), fault(FaultType.NODE),
+     (Act.NONE, "none (the job is stopping)", False, False, False, False)),
+    ("node already out of the job", RULES, TRAINING, fault(FaultType.NODE, node_gone=True),
+     (Act.NONE, "none (the node is out of the job already)", False, False, False, False)),
+    ("straggler only reported by default", RULES, TRAINING,
+     fault(FaultType.NODE, Source.STRAGGLER),
+     (Act.NONE, "none (diagnosis.replace_stragglers: false)", False, False, False, False)),
+    ("straggler replaced with replace_stragglers", replace(RULES, replace_stragglers=True),
+     TRAINING, fault(FaultType.NODE, Source.STRAGGLER),
+     (Act.REPLACE, EXCLUDE, True, True, True, True)),
+    ("pre-flight faulty node replaced", RULES, BEFORE_TRAINING, preflight(),
+     (Act.REPLACE, EXCLUDE, True, True, False, True)),
+    ("pre-flight check alone replaces none", replace(RULES, preflight_only=True),
+     BEFORE_TRAINING, preflight(),
+     (Act.NONE, "none (planaria check --preflight reports only)", False, False, False, True)),
+    ("pre-flight straggler reported by default", RULES, BEFORE_TRAINING,
+     preflight(Source.PREFLIGHT_STRAGGLER),
+     (Act.NONE, "none (report only)", False, False, False, False)),
+    ("pre-flight straggler never replaced by the check alone",
+     replace(RULES, preflight_replace_stragglers=True, preflight_only=True), BEFORE_TRAINING,
+     preflight(Source.PREFLIGHT_STRAGGLER),
+     (Act.NONE, "none (report only)", False, False, False, False)),
+    ("pre-flight straggler replaced", replace(RULES, preflight_replace_stragglers=True),
+     BEFORE_TRAINING, preflight(Source.PREFLIGHT_STRAGGLER),
+     (Act.REPLACE, EXCLUDE, True, True, False, True)),
+    ("pre-flight out of replacements shrinks", RULES,
+     replace(BEFORE_TRAINING, preflight_replaced=4), preflight(),
+     (Act.SHRINK, "stop the node, no replacement: the pre-flight replaced 4 node(s) already",
+      True, False, False, True)),
+    ("pre-flight out of replacements, too few nodes left, stops", RULES,
+     replace(BEFORE_TRAINING, preflight_replaced=4, nodes_left=1), preflight(),
+     (Act.STOP, "stop: the pre-flight replaced 4 node(s) already", True, False, False, True)),
+    ("no replacement came, elastic job shrinks", RULES, replace(TRAINING, nodes_left=2),
+     ReplacementFailed("node-1", "no free slot"),
+     (Act.SHRINK, "go on with 2 node(s)", False, False, False, False)),
+    ("no replacement came, too few nodes left, stops", RULES,
+     replace(TRAINING, nodes_left=1), ReplacementFailed("node-1", "no free slot"),
+     (Act.STOP, "stop: too few nodes", False, False, False, False)),
+    ("no replacement came while stopping", RULES, replace(TRAINING, stopping=True),
+     ReplacementFailed("node-1", "interrupted"),
+     (Act.NONE, "none (the job is stopping)", False, False, False, False)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("rules", "now", "event", "expected"), [r[1:] for r in ROWS],
+                         ids=[r[0] for r in ROWS])  # fmt: skip
+def test_each_branch(rules, now, event, expected):
+    decision = decide(rules, now, event)
+    act, action, remove, exclude_host, restart, record = expected
+    assert (decision.act, decision.action) == (act, action)
+    assert (decision.remove, decision.exclude_host, decision.restart) == (
+        remove,
+        exclude_host,
+        restart,
+    )
+    assert decision.record is record
+    assert bool(decision.reason) is (act is Act.STOP)
+
+
+def test_stop_reasons_say_what_was_spent_and_what_happened():
+    spent = decide(
+        replace(RULES, max_restarts=1), replace(TRAINING, restarts=1), fault(FaultType.HANG)
+    )
+    assert spent.reason == (
+        "restart budget spent (1 of 1 restarts used); last fault: rank 1 (node node-1) exit code 1"
+    )
+    user = decide(replace(RULES, on_user_error="stop"), TRAINING, fault(FaultType.USER))
+    assert user.reason == "user error: rank 1 (node node-1) exit code 1: KeyError: 'lr'"
+    start = decide(RULES, TRAINING, fault(FaultType.USER, Source.START))
+    assert start.reason == "user error: rank 1 (node node-1) exit code 1"
+    few = decide(RULES, replace(TRAINING, nodes_left=1), ReplacementFailed("node-1", "no slot"))
+    assert few.reason == (
+        "node node-1 could not be replaced (no slot), and 1 node(s) are left: the job needs "
+        "at least 2 (job.nodes)"
+    )
+
+
+def test_the_budget_is_spent_by_the_restart_that_would_exceed_it():
+    rules = replace(RULES, max_restarts=2)
+    acts = [decide(rules, replace(TRAINING, restarts=n), fault(FaultType.TRANSIENT)).act
+            for n in range(4)]  # fmt: skip
+    assert acts == [Act.RESTART, Act.RESTART, Act.STOP, Act.STOP]
+
+
+def test_a_decision_is_a_value():
+    decision = decide(RULES, TRAINING, fault(FaultType.NODE))
+    assert decision == decide(RULES, TRAINING, fault(FaultType.NODE))
+    assert isinstance(decision, Decision)
+    with pytest.raises(AttributeError):
+        decision.act = Act.STOP  # type: ignore[misc]
