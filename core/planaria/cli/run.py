@@ -160,10 +160,27 @@ def print_summary(summary: Summary, run_dir: Path) -> None:
     out.print(f"timeline: {run_dir / 'events.jsonl'}\nlogs: {run_dir / 'logs'}")
 
 
+def preflight_line(report: PreflightReport) -> str:
+    """The whole pre-flight summary when no node needed a verdict: one line, not a table."""
+    if report.nodes == 0:
+        return "pre-flight: no node was checked"
+    nodes = f"{report.nodes} node{'s' if report.nodes != 1 else ''}"
+    rounds = f"{report.rounds} round{'s' if report.rounds != 1 else ''}"
+    spread = "; ".join(
+        f"{measure}: slowest {seconds * 1000:.1f} ms on {node}, "
+        f"median {report.baseline.get(measure, seconds) * 1000:.1f} ms"
+        for measure, (node, seconds) in report.slowest.items()
+    )
+    return f"pre-flight: all {nodes} passed in {rounds}" + (f" ({spread})" if spread else "")
+
+
 def print_preflight(report: PreflightReport) -> None:
+    if not report.verdicts:
+        out.print(preflight_line(report), markup=False)
+        return
     base = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in report.baseline.items()) or "-"
-    title = f"pre-flight: {report.nodes} node(s), {report.rounds} round(s); median {base}" + (
-        "" if report.verdicts else "; every node passed"
+    title = (
+        f"pre-flight: {report.nodes} node(s), {report.rounds} round(s); good nodes' median {base}"
     )
     table = Table(title=title)
     for column in ("node", "host", "verdict", "round 1", "detail", "action"):
