@@ -6,6 +6,9 @@ what a fault calls for is :func:`planaria.master.policy.decide`'s to say and
 :class:`~planaria.master.recovery.Recovery`'s to do; diagnosis and the pre-flight check find
 faults and see the job only through :class:`~planaria.master.control.JobControl`, which this
 class is; :func:`planaria.master.runner.supervise` drives it in time.
+
+Over 400 lines: the handlers and the rounds change one state machine (the job's state and
+its rounds) and read best beside it; what could stand alone already does.
 """
 
 from __future__ import annotations
