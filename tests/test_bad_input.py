@@ -346,8 +346,10 @@ def test_workers_that_cannot_start_stop_the_job_with_the_reason(tmp_path, mark):
     assert kinds.count("job_stopped") == 1
     assert "node_replaced" not in kinds and "workers_restarted" not in kinds, kinds
     failed = [e for e in timeline if e["kind"] == "fault_detected"]
-    assert failed and all(reason in e["message"] for e in failed)
+    assert failed and all(e["data"]["classified_by"] == "start" for e in failed)
     assert failed[0]["data"]["fault_class"] == "user"
+    (stopped,) = [e for e in timeline if e["kind"] == "job_stopped"]
+    assert stopped["data"]["cause"] == "cannot_start"
     (run_dir,) = runs(tmp_path)
     agents = sorted(p.name for p in (run_dir / "logs" / "agents").iterdir())
     assert agents == ["node-0.log", "node-1.log"], agents

@@ -666,7 +666,7 @@ def test_a_killed_persister_is_restarted_and_the_last_step_is_committed(
     timeline = events(tmp_path)
     restarts = [e for e in timeline if e["kind"] == "persister_restarted"]
     assert [e["node"] for e in restarts] == killed, out
-    assert all("SIGKILL" in e["message"] for e in restarts)
+    assert all("SIGKILL" in e["data"]["error"] for e in restarts)
     assert not [e for e in timeline if e["kind"] in ("fault_detected", "workers_restarted")], out
     (root,) = tmp_path.glob("planaria-runs/*/checkpoints")
     steps = store_at(root).committed_steps()
@@ -706,9 +706,9 @@ def test_corrupt_checkpoints_are_in_the_timeline_and_require_restore_stops_the_j
     timeline = events(second)
     skipped = [e for e in timeline if e["kind"] == "checkpoint_skipped"]
     assert sorted(e["step"] for e in skipped) == [19, 23], timeline
-    assert all("rank-1.bin: checksum" in e["message"] for e in skipped)
+    assert all("rank-1.bin: checksum" in e["data"]["error"] for e in skipped)
     (scratch,) = [e for e in timeline if e["kind"] == "started_from_scratch"]
-    assert "23, 19" in scratch["message"]
+    assert scratch["data"]["steps"] == [23, 19] and not scratch["data"]["required"]
     text = " ".join(result.stdout.split())
     assert "started from scratch" in text and "skipped checkpoints" in text, result.stdout
     # The new run's steps replaced the corrupt ones; none was deleted for their sake.
@@ -728,7 +728,7 @@ def test_corrupt_checkpoints_are_in_the_timeline_and_require_restore_stops_the_j
     timeline = events(third)
     assert not [e for e in timeline if e["kind"] == "workers_restarted"], timeline
     (stopped,) = [e for e in timeline if e["kind"] == "job_stopped"]
-    assert "nothing to restore" in stopped["message"]
+    assert stopped["data"]["cause"] == "checkpoint"
     assert store_at(storage).committed_steps() == [23, 19]  # untouched
 
 
@@ -753,7 +753,7 @@ def test_a_full_disk_ends_the_run_with_its_last_persisted_step_and_no_restart(
         timeline = events(where)
         assert not [e for e in timeline if e["kind"] == "workers_restarted"], timeline
         failed = [e for e in timeline if e["kind"] == "checkpoint_failed"]
-        assert failed and all("No space left on device" in e["message"] for e in failed)
+        assert failed and all("No space left on device" in e["data"]["error"] for e in failed)
         assert store_at(storage).committed_steps() == [3]
         assert partials(storage) == []
         subprocess.run(["rm", "-rf", str(storage)], check=True)

@@ -13,7 +13,7 @@ from planaria.errors import (
     PluginLoadError,
     PluginNotFoundError,
 )
-from planaria.events import EventKind, JobEvent
+from planaria.events import JobEvent, NodeReplaced
 from planaria.health.api import HealthCheck, HealthCheckRecord
 from planaria.plugin.manager import PluginManager, PluginStatus
 from planaria.plugin.records import NoOptions, PluginKind
@@ -150,7 +150,8 @@ def test_job_event_observers_are_isolated_from_each_other(plugin_path):
     manager.register(Exploding(), "exploding")
     manager.register(NoArgs(), "noargs")
     before = len(planaria_fixture_good.EVENTS)
-    event = JobEvent(kind=EventKind.NODE_REPLACED, job="j", node="n1", message="xid 79")
+    replaced = NodeReplaced(host="h1", replacement="n2", replacement_host="h2")
+    event = JobEvent.of(replaced, job="j", node="n1", message="xid 79")
     manager.emit(event)
     assert planaria_fixture_good.EVENTS[before:] == [event]
     assert NoArgs.calls == 1

@@ -79,7 +79,12 @@ def test_a_failing_and_a_slow_node_are_found_replaced_and_kept_out_of_training(t
                for v in checked.values())  # fmt: skip
     done = kinds.index("preflight_completed")
     assert done < kinds.index("rendezvous_completed")
-    assert "faulty: node-2 (local-2); stragglers: node-1 (local-1)" in timeline[done]["message"]
+    verdicts = {
+        v["node"]: (v["verdict"], v["host"], v["action"])
+        for v in timeline[done]["data"]["verdicts"]
+    }
+    assert verdicts["node-2"] == ("faulty", "local-2", "replace the node, exclude host local-2")
+    assert verdicts["node-1"] == ("straggler", "local-1", "replace the node, exclude host local-1")
 
     # Training ran without them, and completed.
     (world,) = [e for e in timeline if e["kind"] == "rendezvous_completed"]

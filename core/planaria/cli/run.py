@@ -31,7 +31,10 @@ from planaria.protocol import MASTER_ENV, TOKEN_ENV, JobSpec
 EVENT_STYLE = {
     EventKind.FAULT_DETECTED: "bold red",
     EventKind.WORKERS_RESTARTED: "yellow",
+    EventKind.RECOVERED: "green",
     EventKind.NODE_REPLACED: "yellow",
+    EventKind.NODE_REPLACEMENT_FAILED: "bold red",
+    EventKind.NODE_REMOVED: "yellow",
     EventKind.JOB_FINISHED: "bold green",
     EventKind.JOB_STOPPED: "bold red",
 }

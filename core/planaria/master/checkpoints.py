@@ -11,7 +11,7 @@ and the summary, and an error that stops the job with ``checkpoint.require_resto
 
 from __future__ import annotations
 
-from planaria.events import EventKind
+from planaria import events
 from planaria.master.timeline import Timeline
 from planaria.protocol import CheckpointEvent, CheckpointSpec
 
@@ -39,55 +39,50 @@ class JobCheckpoints:
             self.committed += 1
             size = f"{(report.bytes or 0) / 2**20:.1f} MiB"
             self.timeline.emit(
-                EventKind.CHECKPOINT_COMMITTED,
+                events.CheckpointCommitted(bytes=report.bytes, seconds=report.seconds),
                 f"checkpoint step {step} committed ({size}, {report.seconds or 0:.2f}s)",
                 node=node,
                 step=step,
-                bytes=report.bytes,
-                seconds=report.seconds,
             )
         elif kind == "persist_failed":
             if step > self.failed_step:
                 self.failed_step, self.failed_error = step, report.error
             self.timeline.emit(
-                EventKind.CHECKPOINT_FAILED,
+                events.CheckpointFailed(error=report.error),
                 f"persisting step {step} failed on {on}: {report.error}",
                 node=node,
                 step=step,
                 rank=rank,
-                error=report.error,
             )
         elif kind == "persister_restarted":
             self.persister_restarts += 1
             self.timeline.emit(
-                EventKind.PERSISTER_RESTARTED,
+                events.PersisterRestarted(error=report.error),
                 f"the checkpoint persister of {node} died ({report.error}) and was restarted; "
                 "its workers reconnect and persist again what was pending",
                 node=node,
-                error=report.error,
             )
         elif kind == "checkpoint_skipped":
             self.skipped.setdefault(step, report.error)
             self.timeline.emit(
-                EventKind.CHECKPOINT_SKIPPED,
+                events.CheckpointSkipped(error=report.error),
                 f"checkpoint step {step} skipped at restore by {on}: {report.error}",
                 node=node,
                 step=step,
                 rank=rank,
-                error=report.error,
             )
         elif kind == "started_from_scratch":
             required = self.spec is not None and self.spec.require_restore
             if not required:
                 self.scratch = report.error
             self.timeline.emit(
-                EventKind.STARTED_FROM_SCRATCH,
+                events.StartedFromScratch(
+                    error=report.error, steps=report.steps, required=required
+                ),
                 f"nothing restorable: {report.error}; "
                 + ("checkpoint.require_restore stops the job" if required else
                    "training started from scratch"),
                 node=node,
-                steps=report.steps,
-                required=required,
             )  # fmt: skip
             if required:
                 return (

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from planaria.events import EventKind, JobEvent
+from planaria.events import JobEvent, Payload, StopCause
 from planaria.master.policy import Decision, FaultType, Source
 from planaria.master.state import JobSettings, Node
 from planaria.master.timeline import Fault
@@ -57,7 +57,9 @@ class JobControl(Protocol):
         """A replacement asked of the scheduler has not come back yet."""
         ...
 
-    def emit(self, kind: EventKind, message: str, **fields: object) -> JobEvent:
+    def emit(
+        self, payload: Payload, message: str, *, node: str | None = None, rank: int | None = None
+    ) -> JobEvent:
         """Put an event in the job's timeline (and before its observers)."""
         ...
 
@@ -74,7 +76,7 @@ class JobControl(Protocol):
         before the events of what is done). ``fault.action`` says what was decided."""
         ...
 
-    def stop(self, reason: str) -> None:
+    def stop(self, reason: str, cause: StopCause = StopCause.INTERRUPTED) -> None:
         """End the job, failed, with ``reason``."""
         ...
 

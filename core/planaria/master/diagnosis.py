@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import time
 
+from planaria import events
 from planaria.diagnosis.messages import HangReport, HealthReport
 from planaria.diagnosis.policy import DiagnosisPolicy
 from planaria.diagnosis.stragglers import RankTimes, Straggler, StragglerDetector
-from planaria.events import EventKind
 from planaria.fault_pattern.api import Classification, FaultClass
 from planaria.log import get_logger
 from planaria.master.control import JobControl
@@ -58,15 +58,6 @@ class Diagnosis:
             return Classification(FaultClass.USER, "the workers cannot start", START, "")
         return self.policy.classifier.classify(failure.exitcode, failure.signal, failure.log_tail)
 
-    def event_fields(self, failure: WorkerFailure) -> dict[str, object]:
-        verdict = self.classify(failure)
-        return {
-            "fault_class": verdict.kind.value,
-            "reason": verdict.reason,
-            "matched": verdict.line,
-            "classified_by": verdict.source,
-        }
-
     def driver(self, failures: list[WorkerFailure]) -> tuple[WorkerFailure, Classification]:
         """The failure that decides the action: a node fault among them, else the first."""
         verdicts = [(f, self.classify(f)) for f in failures]
@@ -108,29 +99,33 @@ class Diagnosis:
         self, node: Node, round_: int, failure: WorkerFailure, *, secondary: bool
     ) -> str:
         detail = f"rank {failure.rank} (node {node.node_id}) {failure.description}"
+        verdict = self.classify(failure)
         self.job.emit(
-            EventKind.FAULT_DETECTED,
+            events.FaultDetected(
+                fault="worker_failed",
+                fault_class=verdict.kind.value,
+                reason=verdict.reason,
+                matched=verdict.line,
+                classified_by=verdict.source,
+                secondary=secondary,
+                round=round_,
+                exitcode=failure.exitcode,
+                signal=failure.signal,
+                log_tail=failure.log_tail,
+                host=node.host,
+            ),
             f"{detail} (also in round {round_})" if secondary else detail,
             node=node.node_id,
             rank=failure.rank,
-            fault="worker_failed",
-            secondary=secondary,
-            exitcode=failure.exitcode,
-            signal=failure.signal,
-            log_tail=failure.log_tail,
-            round=round_,
-            **self.event_fields(failure),
         )
         return detail
 
     def chaos(self, report: ChaosReport) -> None:
         """A fault injected on purpose is about to fire: the timeline says so first."""
         self.job.emit(
-            EventKind.FAULT_DETECTED,
+            events.FaultDetected(fault="chaos", rule=report.rule.model_dump(mode="json")),
             f"chaos: {report.rule.kind} on node {report.node_id}",
             node=report.node_id,
-            fault="chaos",
-            rule=report.rule.model_dump(mode="json"),
         )
 
     # -- hangs ------------------------------------------------------------------------------
@@ -147,14 +142,15 @@ class Diagnosis:
         )
         detail = f"hang on node {node.node_id}: {what} (rank(s) {ranks})"
         job.emit(
-            EventKind.HANG_DETECTED,
+            events.HangDetected(
+                secondary=not current,
+                round=report.round,
+                timeout=report.timeout,
+                first_step=report.first_step,
+                ranks=list(report.ranks),
+            ),
             detail if current else f"{detail} (also in round {report.round})",
             node=node.node_id,
-            fault="hang",
-            fault_class=FaultClass.TRANSIENT.value,
-            secondary=not current,
-            round=report.round,
-            ranks=[r.model_dump(mode="json") for r in report.ranks],
         )
         if not current:
             return
@@ -178,12 +174,9 @@ class Diagnosis:
         checks = ", ".join(f"{f.check} ({f.status})" for f in report.failures)
         detail = f"node {node.node_id} ({node.host}) failed its health checks: {checks}"
         self.job.emit(
-            EventKind.HEALTH_CHECKED,
+            events.HealthChecked(healthy=False, host=node.host, failures=list(report.failures)),
             detail,
             node=node.node_id,
-            healthy=False,
-            host=node.host,
-            failures=[f.model_dump(mode="json") for f in report.failures],
         )
         fault = Fault(
             kind="unhealthy",
@@ -232,16 +225,18 @@ class Diagnosis:
 
         def announce(decision: Decision) -> None:
             self.job.emit(
-                EventKind.STRAGGLER_DETECTED,
+                events.StragglerDetected(
+                    metric=straggler.metric,
+                    seconds=straggler.seconds,
+                    others_s=straggler.others_s,
+                    ratio=straggler.ratio,
+                    factor=self.policy.straggler_factor,
+                    action=decision.action,
+                    host=node.host,
+                ),
                 straggler.describe(),
                 node=straggler.node,
                 rank=straggler.rank,
-                metric=straggler.metric,
-                seconds=straggler.seconds,
-                others_s=straggler.others_s,
-                ratio=straggler.ratio,
-                factor=self.policy.straggler_factor,
-                action=decision.action,
             )
 
         self.job.report_fault(fault, FaultType.NODE, Source.STRAGGLER, before=announce)

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from planaria.events import EventKind
+from planaria import events
 from planaria.log import get_logger
 from planaria.master.state import Node, NodePhase, RegistrationRefused
 from planaria.master.timeline import Timeline
@@ -158,11 +158,9 @@ class Fleet:
         )
         log.warning("registration refused", node=request.node_id, why=why)
         self.timeline.emit(
-            EventKind.REGISTRATION_REFUSED,
+            events.RegistrationRefused(host=request.host, pid=request.pid, why=why),
             message,
             node=request.node_id,
-            host=request.host,
-            pid=request.pid,
         )
         return RegistrationRefused(message)
 
@@ -209,9 +207,8 @@ class Fleet:
         log.warning("master stalled; heartbeat windows renewed", seconds=round(gap, 3))
         if gap > self.heartbeat_interval * 2:
             self.timeline.emit(
-                EventKind.MASTER_STALLED,
+                events.MasterStalled(seconds=round(gap, 3)),
                 f"the master stalled for {gap:.1f}s; every node's heartbeat window renewed",
-                seconds=round(gap, 3),
             )
 
     async def close(self) -> None:

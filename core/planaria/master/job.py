@@ -6,6 +6,9 @@ what a fault calls for is :func:`planaria.master.policy.decide`'s to say and
 :class:`~planaria.master.recovery.Recovery`'s to do; diagnosis and the pre-flight check find
 faults and see the job only through :class:`~planaria.master.control.JobControl`, which this
 class is; :func:`planaria.master.runner.supervise` drives it in time.
+
+Over 400 lines: the handlers and the rounds change one state machine (the job's state and
+its rounds) and read best beside it; what could stand alone already does.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from planaria import events
 from planaria.errors import SchedulerError
-from planaria.events import EventKind, JobEvent
+from planaria.events import JobEvent, Payload, StopCause
 from planaria.log import get_logger
 from planaria.master import restore
 from planaria.master.checkpoints import JobCheckpoints
@@ -129,11 +133,13 @@ class Master:
     def replacing(self) -> bool:
         return self.fleet.replacing() > 0
 
-    def emit(self, kind: EventKind, message: str, **fields: object) -> JobEvent:
-        return self.timeline.emit(kind, message, **fields)
+    def emit(
+        self, payload: Payload, message: str, *, node: str | None = None, rank: int | None = None
+    ) -> JobEvent:
+        return self.timeline.emit(payload, message, node=node, rank=rank)
 
-    def stop(self, reason: str) -> None:
-        self._finish(JobState.FAILED, reason)
+    def stop(self, reason: str, cause: StopCause = StopCause.INTERRUPTED) -> None:
+        self._finish(JobState.FAILED, reason, cause)
 
     def report_fault(
         self,
@@ -149,7 +155,8 @@ class Master:
         if self.state.terminal:
             return
         if self.settings.diagnosis.preflight.only:
-            self._finish(JobState.SUCCEEDED if passed else JobState.FAILED, message)
+            state = JobState.SUCCEEDED if passed else JobState.FAILED
+            self._finish(state, message, StopCause.PREFLIGHT)
             return
         self.open_round()
 
@@ -237,7 +244,8 @@ class Master:
                 if all(self.nodes[n].phase is NodePhase.SUCCEEDED for n in self.rounds.world):
                     last = max((n.step for n in self.nodes.values()), default=-1)
                     ok, why = self.checkpoints.end(last)
-                    self._finish(JobState.SUCCEEDED if ok else JobState.FAILED, why)
+                    state = JobState.SUCCEEDED if ok else JobState.FAILED
+                    self._finish(state, why, StopCause.CHECKPOINT)
             return
         if report.failure is None:
             raise BadReport("a report of failed workers must name the failure")
@@ -249,7 +257,7 @@ class Master:
         node = self.heard_from(report.node_id)
         stop = self.checkpoints.event(node.node_id, report)
         if stop is not None:
-            self._finish(JobState.FAILED, stop)
+            self._finish(JobState.FAILED, stop, StopCause.CHECKPOINT)
 
     def status(self) -> JobStatus:
         rank_of = {n: i.node_rank for n, i in self.rounds.world.items()}
@@ -282,7 +290,6 @@ class Master:
             world = self.rounds.close()
             self.state = JobState.RUNNING
             self._round_settled.set()
-            ranks = {n: i.node_rank for n, i in world.items()}
             plan = restore.plan(
                 world,
                 {n: self.nodes[n].memory for n in world},
@@ -296,15 +303,18 @@ class Master:
             self.restore, self.persist_step = plan.restore, plan.persist_step
             self.recovery.restored(self.rounds.round, plan.where)
             log.info("restore decided", round=self.rounds.round, restore=plan.restore, why=plan.why)
+            size = next(iter(world.values())).world_size
             self.timeline.emit(
-                EventKind.RENDEZVOUS_COMPLETED,
-                f"round {self.rounds.round}: {len(world)} node(s), "
-                f"world size {next(iter(world.values())).world_size}; "
+                events.RendezvousCompleted(
+                    round=self.rounds.round,
+                    ranks={n: i.node_rank for n, i in world.items()},
+                    world_size=size,
+                    restore=plan.restore,
+                    restore_why=plan.why,
+                    persist_step=plan.persist_step,
+                ),
+                f"round {self.rounds.round}: {len(world)} node(s), world size {size}; "
                 f"restore from {plan.where}: {plan.why}",
-                round=self.rounds.round,
-                ranks=ranks,
-                restore=self.restore,
-                persist_step=self.persist_step,
             )
         elif now - self.rounds.opened_at > self.settings.join_timeout:
             self._finish(
@@ -312,6 +322,7 @@ class Master:
                 f"rendezvous timed out: {self.rounds.joined} node(s) joined round "
                 f"{self.rounds.round} within {self.settings.join_timeout:g}s, at least "
                 f"{self.settings.min_nodes} needed",
+                StopCause.JOIN_TIMEOUT,
             )
 
     def _maybe_grow(self) -> None:
@@ -330,13 +341,14 @@ class Master:
         for node_id in members:
             self.nodes[node_id].send(Action(kind="restart", round=round_now, reason="scale up"))
         self.timeline.emit(
-            EventKind.WORKERS_RESTARTED,
+            events.WorkersRestarted(
+                round=round_now, cause="scale_up", standby=[n.node_id for n in standby]
+            ),
             f"scale up: {len(standby)} node(s) standing by join; round {round_now}",
-            round=round_now,
-            standby=[n.node_id for n in standby],
         )
 
-    def _finish(self, state: JobState, reason: str) -> None:
+    def _finish(self, state: JobState, reason: str, cause: StopCause) -> None:
+        """End the job; ``cause`` says why when it did not succeed."""
         if self.state.terminal:
             return
         self.state = state
@@ -346,8 +358,10 @@ class Master:
         self._round_settled.set()
         for node in self.nodes.values():
             node.send(Action(kind="exit", reason=reason))
-        kind = EventKind.JOB_FINISHED if state is JobState.SUCCEEDED else EventKind.JOB_STOPPED
-        self.timeline.emit(kind, reason, state=state.value)
+        if state is JobState.SUCCEEDED:
+            self.timeline.emit(events.JobFinished(), reason)
+        else:
+            self.timeline.emit(events.JobStopped(cause=cause), reason)
 
     # -- main loop ------------------------------------------------------------------------
 
@@ -365,10 +379,8 @@ class Master:
         else:  # the first round opens once the pre-flight check is done
             self.state = JobState.PREFLIGHT
         self.timeline.emit(
-            EventKind.JOB_STARTED,
+            events.JobStarted(run_id=self.spec.run_id, nodes=[h.node_id for h in handles]),
             f"job {self.spec.job} started: {len(handles)} node(s) requested",
-            run_id=self.spec.run_id,
-            nodes=[h.node_id for h in handles],
         )
 
     def node_event(self, event: NodeEvent) -> None:

@@ -6,11 +6,13 @@ happened (a :class:`NodeFault` or a :class:`ReplacementFailed`), and carries out
 
 - a job already stopping, or a node already out of it: nothing more to do;
 - workers that cannot start: stop (a restart would fail the same way);
+- a fault of the node (bad hardware, a failed health check, a straggler when stragglers are
+  replaced, a failed pre-flight check, a lost agent) takes it out and asks for another in its
+  place, on another host unless the node was merely lost; where no other may be asked, the job
+  goes on with fewer nodes if at least ``min`` remain, else it stops;
+- a failure of a round restarted already, or of no running round, that is not the node's:
+  nothing more (the restart that came first covers it);
 - a user error with ``diagnosis.on_user_error: stop``: stop;
-- a fault of the node (bad hardware, a failed health check, a straggler, a failed pre-flight
-  check, a lost agent) takes it out and asks for another in its place, on another host unless
-  the node was merely lost; where no other may be asked, the job goes on with fewer nodes if at
-  least ``min`` remain, else it stops;
 - anything else (a transient fault, a user error to restart, a hang) restarts the workers;
 - restarting the running world spends one of ``max_restarts``; with none left the job stops,
   and no node is asked for;
@@ -23,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Literal
+
+from planaria.events import StopCause
 
 
 class FaultType(str, Enum):
@@ -141,6 +145,7 @@ class Decision:
     """The fault is one of the job's faults (the summary's table); else only an event."""
     reason: str = ""
     """Why the job stops (``act`` is STOP)."""
+    cause: StopCause | None = None
 
 
 def decide(rules: Rules, now: Situation, event: Event) -> Decision:
@@ -155,7 +160,12 @@ def _fault(rules: Rules, now: Situation, fault: NodeFault) -> Decision:
     if fault.node_gone:
         return Decision(Act.NONE, "none (the node is out of the job already)", record=False)
     if fault.source is Source.START:
-        return Decision(Act.STOP, CANNOT_START, reason=f"user error: {fault.detail}")
+        return Decision(
+            Act.STOP,
+            CANNOT_START,
+            reason=f"user error: {fault.detail}",
+            cause=StopCause.CANNOT_START,
+        )
     if fault.type in (FaultType.NODE, FaultType.LOST):
         return _take_out(rules, now, fault)
     if fault.source is Source.LATE or not (fault.in_world and now.training):
@@ -166,6 +176,7 @@ def _fault(rules: Rules, now: Situation, fault: NodeFault) -> Decision:
             Act.STOP,
             "stop (diagnosis.on_user_error: stop)",
             reason=f"user error: {fault.detail}: {fault.reason}",
+            cause=StopCause.USER_ERROR,
         )
     return _spend(rules, now, fault, Decision(Act.RESTART, "restart workers in place"))
 
@@ -207,6 +218,7 @@ def _spend(rules: Rules, now: Situation, fault: NodeFault, decision: Decision) -
             f"restart budget spent ({now.restarts} of {rules.max_restarts} restarts used); "
             f"last fault: {fault.detail}"
         ),
+        cause=StopCause.RESTART_BUDGET_SPENT,
     )
 
 
@@ -219,6 +231,7 @@ def _too_few(rules: Rules, now: Situation, action: str, why: str) -> Decision:
             f"{why}, and {now.nodes_left} node(s) are left: the job needs at least "
             f"{rules.min_nodes} (job.nodes)"
         ),
+        cause=StopCause.TOO_FEW_NODES,
     )
 
 

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from planaria import events
 from planaria.diagnosis.messages import (
     PreflightOrder,
     PreflightPoll,
@@ -43,7 +44,8 @@ from planaria.diagnosis.preflight import (
     slowest_per_measure,
     suspects_of,
 )
-from planaria.events import EventKind
+from planaria.events import StopCause
+from planaria.fault_pattern.api import FaultClass
 from planaria.log import get_logger
 from planaria.master.control import JobControl
 from planaria.master.policy import Decision, FaultType, Source
@@ -198,7 +200,8 @@ class Preflight:
         elif now - self.started > settings.join_timeout:
             self.job.stop(
                 f"pre-flight: {len(here)} node(s) came within {settings.join_timeout:g}s, at "
-                f"least {settings.min_nodes} needed"
+                f"least {settings.min_nodes} needed",
+                StopCause.JOIN_TIMEOUT,
             )
 
     def _after_round_1(self, now: float) -> None:
@@ -345,31 +348,33 @@ class Preflight:
     def _announce(self, node: Node, fault: Fault, verdict: Verdict, decision: Decision) -> None:
         if verdict.kind == "faulty":
             self.job.emit(
-                EventKind.FAULT_DETECTED,
+                events.FaultDetected(
+                    fault="preflight",
+                    fault_class=FaultClass.NODE,
+                    reason=verdict.detail,
+                    first=verdict.first,
+                    host=node.host,
+                ),
                 fault.detail,
                 node=node.node_id,
-                fault="preflight",
-                fault_class="node",
-                reason=verdict.detail,
-                first=verdict.first,
-                host=node.host,
             )
             return
         slow = verdict.slow
         assert slow is not None
         self.job.emit(
-            EventKind.STRAGGLER_DETECTED,
+            events.StragglerDetected(
+                metric=slow.measure,
+                seconds=slow.seconds,
+                others_s=slow.baseline,
+                ratio=slow.ratio,
+                factor=self.policy.factor,
+                action=decision.action,
+                preflight=True,
+                first=verdict.first,
+                host=node.host,
+            ),
             fault.detail,
             node=node.node_id,
-            preflight=True,
-            metric=slow.measure,
-            seconds=slow.seconds,
-            others_s=slow.baseline,
-            ratio=slow.ratio,
-            factor=self.policy.factor,
-            first=verdict.first,
-            host=node.host,
-            action=decision.action,
         )
 
     # -- events -----------------------------------------------------------------------------
@@ -393,16 +398,18 @@ class Preflight:
             found = ", ".join(f"{v.node} {v.kind}" for v in verdicts or [])
             message = f"pre-flight {stage}: {found}"
         self.job.emit(
-            EventKind.PREFLIGHT_ROUND,
+            events.PreflightRound(
+                stage=stage,
+                groups=[
+                    events.PreflightGroup(group=g.name, members=g.members, results=self._results(g))
+                    for g in groups
+                ],
+                baseline=self.report.baseline,
+                suspects=suspects or {},
+                verdicts=[_verdict(v) for v in verdicts or []],
+                results=summary,
+            ),
             message,
-            stage=stage,
-            groups=[
-                {"group": g.name, "members": g.members, "results": self._results(g)} for g in groups
-            ],
-            baseline=self.report.baseline,
-            suspects=suspects or {},
-            verdicts=[_verdict_json(v) for v in verdicts or []],
-            results=summary,
         )
 
     @staticmethod
@@ -432,23 +439,34 @@ class Preflight:
             f"{names(faulty)}; stragglers: {names(slow)}; cleared: {names(cleared)}"
         )
         self.job.emit(
-            EventKind.PREFLIGHT_COMPLETED,
+            events.PreflightCompleted(
+                nodes=sorted(self.checked),
+                rounds=report.rounds,
+                baseline=report.baseline,
+                verdicts=[
+                    _verdict(v, host=report.hosts[v.node], action=report.actions[v.node])
+                    for v in report.verdicts
+                ],
+            ),
             message,
-            nodes=sorted(self.checked),
-            rounds=report.rounds,
-            baseline=report.baseline,
-            verdicts=[
-                {**_verdict_json(v), "host": report.hosts[v.node], "action": report.actions[v.node]}
-                for v in report.verdicts
-            ],
         )
         for node in self.job.nodes.values():
             node.wake.set()
         self.job.preflight_finished(passed=not faulty and not slow, message=message)
 
 
-def _verdict_json(v: Verdict) -> dict[str, Any]:
-    data: dict[str, Any] = {"node": v.node, "verdict": v.kind, "detail": v.detail, "first": v.first}
-    if v.slow is not None:
-        data.update(metric=v.slow.measure, seconds=v.slow.seconds, ratio=v.slow.ratio)
-    return data
+def _verdict(
+    v: Verdict, host: str | None = None, action: str | None = None
+) -> events.PreflightVerdict:
+    slow = v.slow
+    return events.PreflightVerdict(
+        node=v.node,
+        verdict=v.kind,
+        detail=v.detail,
+        first=v.first,
+        metric=None if slow is None else slow.measure,
+        seconds=None if slow is None else slow.seconds,
+        ratio=None if slow is None else slow.ratio,
+        host=host,
+        action=action,
+    )

@@ -13,7 +13,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from planaria.events import EventKind
+from planaria import events
+from planaria.events import StopCause
 from planaria.log import get_logger
 from planaria.master.fleet import Fleet
 from planaria.master.policy import (
@@ -49,7 +50,7 @@ class Restartable(Protocol):
         """Dissolve the running world (if any) and start forming the next round."""
         ...
 
-    def stop(self, reason: str) -> None: ...
+    def stop(self, reason: str, cause: StopCause) -> None: ...
 
 
 class Recovery:
@@ -103,7 +104,7 @@ class Recovery:
         if decision.record:
             self.faults.append(fault)
         if decision.act is Act.STOP:
-            self.job.stop(decision.reason)
+            self.job.stop(decision.reason, decision.cause or StopCause.INTERRUPTED)
             return decision
         if decision.restart:
             self._restart(fault)
@@ -127,7 +128,7 @@ class Recovery:
             last_step=node.step,
         )
         self.timeline.emit(
-            EventKind.FAULT_DETECTED, fault.detail, node=node.node_id, fault="node_lost"
+            events.FaultDetected(fault="node_lost", host=node.host), fault.detail, node=node.node_id
         )
         self.report(fault, FaultType.LOST, Source.AGENT)
 
@@ -146,11 +147,16 @@ class Recovery:
             if not node.phase.gone and node.phase is not NodePhase.LAUNCHED:
                 node.send(Action(kind="restart", round=round_now, reason=fault.detail))
         self.timeline.emit(
-            EventKind.WORKERS_RESTARTED,
+            events.WorkersRestarted(
+                round=round_now,
+                cause="fault",
+                fault=fault.kind,
+                restart=self.restarts,
+                max_restarts=self.rules.max_restarts,
+            ),
             f"restart {self.restarts}/{self.rules.max_restarts}: {fault.action} "
             f"after {fault.detail}",
-            round=round_now,
-            restart=self.restarts,
+            node=fault.node,
         )
 
     async def _replaced(self, node: Node, answer: Awaitable[Node], exclude_host: bool) -> None:
@@ -160,40 +166,46 @@ class Recovery:
             if self.job.stopping:
                 return  # the job ended meanwhile and interrupted the scheduler: no news
             log.warning("node replacement failed", node=node.node_id, error=str(exc))
+            now = self.situation()
+            decision = decide(self.rules, now, ReplacementFailed(node.node_id, str(exc)))
             self.timeline.emit(
-                EventKind.NODE_REPLACED,
-                f"replacing {node.node_id} failed: {exc}",
+                events.NodeReplacementFailed(
+                    host=node.host,
+                    error=str(exc),
+                    nodes_left=now.nodes_left,
+                    action=decision.action,
+                ),
+                f"replacing {node.node_id} failed: {exc}; {decision.action}",
                 node=node.node_id,
-                ok=False,
             )
-            failed = ReplacementFailed(node.node_id, str(exc))
-            decision = decide(self.rules, self.situation(), failed)
             if decision.act is Act.STOP:
-                self.job.stop(decision.reason)
+                self.job.stop(decision.reason, decision.cause or StopCause.TOO_FEW_NODES)
             return
         if self.job.stopping:
             return
         if exclude_host:
             self.timeline.emit(
-                EventKind.NODE_EXCLUDED,
+                events.NodeExcluded(host=node.host),
                 f"host {node.host} excluded (node {node.node_id})",
                 node=node.node_id,
-                host=node.host,
             )
         self.timeline.emit(
-            EventKind.NODE_REPLACED,
+            events.NodeReplaced(
+                host=node.host,
+                replacement=new.node_id,
+                replacement_host=new.host,
+                excluded_host=node.host if exclude_host else None,
+            ),
             f"node {node.node_id} replaced by {new.node_id} on {new.host}",
             node=node.node_id,
-            replacement=new.node_id,
         )
 
     async def _release(self, node: Node, fault: Fault) -> None:
         await self.fleet.release(node)
         self.timeline.emit(
-            EventKind.NODE_REPLACED,
+            events.NodeRemoved(host=node.host, reason=fault.action),
             f"node {node.node_id} ({node.host}) stopped, not replaced: {fault.action}",
             node=node.node_id,
-            ok=False,
         )
 
     # -- what became of the faults -----------------------------------------------------------
@@ -216,13 +228,16 @@ class Recovery:
             if fault.restart_round == round_ and fault.recovered_at is None:
                 fault.recovered_at = at
                 fault.first_step_after = first
+                recovery_s = fault.recovery_s or 0.0
                 self.timeline.emit(
-                    EventKind.WORKERS_RESTARTED,
-                    f"recovered from {fault.kind} in {fault.recovery_s:.2f}s",
+                    events.Recovered(
+                        fault=fault.kind,
+                        round=round_,
+                        recovery_s=recovery_s,
+                        steps_lost=fault.steps_lost,
+                    ),
+                    f"recovered from {fault.kind} in {recovery_s:.2f}s",
                     node=fault.node,
-                    recovery_s=fault.recovery_s,
-                    steps_lost=fault.steps_lost,
-                    round=round_,
                 )
 
     @property

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from planaria.diagnosis.preflight import PreflightReport
 from planaria.diagnosis.stragglers import Straggler
-from planaria.events import EventKind, JobEvent
+from planaria.events import JobEvent, Payload
 
 
 @dataclass
@@ -103,9 +103,17 @@ class Timeline:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         self._file = os.fdopen(fd, "a", buffering=1, encoding="utf-8")
 
-    def emit(self, kind: EventKind, message: str, **fields: object) -> JobEvent:
-        known = {k: fields.pop(k) for k in ("node", "rank", "step") if k in fields}
-        event = JobEvent(kind=kind, job=self.job, message=message, data=fields, **known)
+    def emit(
+        self,
+        payload: Payload,
+        message: str,
+        *,
+        node: str | None = None,
+        rank: int | None = None,
+        step: int | None = None,
+    ) -> JobEvent:
+        """Record an event of ``payload``'s kind; ``message`` says it in words."""
+        event = JobEvent.of(payload, job=self.job, message=message, node=node, rank=rank, step=step)
         self.events.append(event)
         self._file.write(event.model_dump_json() + "\n")
         self.observer(event)

@@ -104,10 +104,22 @@ class PlanariaSpecs:
         """Observe the job: faults, restarts, replacements, committed checkpoints.
 
         Called once per event, in the master. Must return quickly (hand slow work such as a
-        network call to a thread); an exception is logged and never affects the job. Example::
+        network call to a thread); an exception is logged and never affects the job.
+        ``event.kind`` is an :class:`~planaria.events.EventKind` and ``event.payload`` that
+        kind's model (fields: ``docs/events.md``); match kinds and fields, never
+        ``event.message``, which is for people. The kinds: ``job_started``,
+        ``job_finished``, ``job_stopped`` (``cause``), ``registration_refused``,
+        ``master_stalled``; ``health_checked``, ``fault_detected``, ``hang_detected``,
+        ``straggler_detected``, ``preflight_round``, ``preflight_completed``;
+        ``workers_restarted`` (a new round: after a fault or to scale up), ``recovered``
+        (training runs again after a fault), ``node_excluded``, ``node_replaced``,
+        ``node_replacement_failed``, ``node_removed`` (stopped, none in its place),
+        ``rendezvous_completed``; ``checkpoint_committed``, ``checkpoint_failed``,
+        ``checkpoint_skipped``, ``started_from_scratch``, ``persister_restarted``. Example::
 
             @planaria.hookimpl
             def planaria_job_event(event):
-                if event.kind == EventKind.NODE_REPLACED:
-                    pager.send(f"{event.job}: node {event.node} replaced: {event.message}")
+                if event.kind is EventKind.NODE_REPLACEMENT_FAILED:
+                    pager.send(f"{event.job}: nothing replaced {event.node}: "
+                               f"{event.payload.error}; {event.payload.action}")
         """
