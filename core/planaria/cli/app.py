@@ -109,7 +109,7 @@ def configure_logging(raw: RawConfig) -> None:
 def main() -> None:
     """Entry point of the ``planaria`` command: planaria's own errors print without a
     traceback and exit 2."""
-    from planaria.cli import check, config_cmd, plugins, run  # noqa: F401 - registers commands
+    from planaria.cli import check, config_cmd, plugins, run, submit  # noqa: F401 - registers
     from planaria.cli.output import error
 
     try:
