@@ -49,7 +49,7 @@ from planaria.plugin import (
 from planaria.protocol import HOST_ENV, NODE_ID_ENV
 from planaria_slurm import commands, state, submit
 from planaria_slurm.options import SlurmOptions
-from planaria_slurm.watch import Watcher
+from planaria_slurm.watch import Snapshot, Watcher
 
 log = get_logger("scheduler.slurm")
 
@@ -71,6 +71,9 @@ class _Step:
     step_id: str | None = None
     reported: bool = False
     """A terminal event was given: nothing more is said about it."""
+    exited: float | None = None
+    """When its srun was seen to end, while the report waits for Slurm's next word on the
+    node: srun exits 0 on "Node failure", so its status alone cannot tell a loss."""
     released: bool = False
     """Stopped or replaced: the caller let go of it."""
 
@@ -296,11 +299,19 @@ class SlurmScheduler(Scheduler[SlurmOptions]):
             self._job_id,
             self._pool,
             self.options.watch_interval,
-            eager=lambda: any(s.step_id is None for s in self._live()),
+            eager=lambda: any(s.step_id is None for s in self._live()) or bool(self._pending()),
         )
 
     def _live(self) -> list[_Step]:
         return [s for s in list(self._steps.values()) if not s.released and not s.reaped]
+
+    def _pending(self) -> list[_Step]:
+        """Steps whose srun ended, not reported yet."""
+        return [
+            s
+            for s in list(self._steps.values())
+            if s.exited is not None and not s.reported and not s.released
+        ]
 
     def _bad_hosts(self) -> dict[str, str]:
         """Hosts of the allocation Slurm now reports unusable, with why."""
@@ -460,10 +471,9 @@ class SlurmScheduler(Scheduler[SlurmOptions]):
     def _observe(self) -> None:
         """Act on the watcher's latest look: steps that appeared run; a node gone bad loses
         its step."""
-        if self._watcher is None:
-            return
-        self._watcher.drain_wake()
-        snapshot = self._watcher.snapshot
+        if self._watcher is not None:
+            self._watcher.drain_wake()
+        snapshot = self._watcher.snapshot if self._watcher is not None else Snapshot()
         bad = self._bad_hosts()
         for step in self._live():
             if step.reported:
@@ -479,6 +489,20 @@ class SlurmScheduler(Scheduler[SlurmOptions]):
                 )
                 log.warning("node lost", node=step.node_id, why=why)
                 self._signal([step], signal.SIGKILL, wait=False)
+        now = time.monotonic()
+        late = max(5.0, 3 * self.options.watch_interval)
+        for step in self._pending():
+            assert step.exited is not None
+            why = bad.get(step.host)
+            if why is None and snapshot.taken <= step.exited and now - step.exited < late:
+                continue  # Slurm's look at the node since the exit is still to come
+            step.reported = True
+            if why is not None:
+                event = NodeEvent(node_id=step.node_id, state=NodeState.LOST, reason=why)
+            else:
+                event = _exit_event(step.node_id, step.proc.returncode)
+            self._events.append(event)
+            log.info("node exited", node=step.node_id, state=event.state.value, reason=event.reason)
 
     def _reap(self) -> None:
         for step in self._steps.values():
@@ -491,12 +515,11 @@ class SlurmScheduler(Scheduler[SlurmOptions]):
                 step.proc.returncode = -signal.SIGKILL
             self._close(step)
             if not step.reported:
-                step.reported = True
-                event = _exit_event(step.node_id, step.proc.returncode)
-                self._events.append(event)
-                log.info(
-                    "node exited", node=step.node_id, state=event.state.value, reason=event.reason
-                )
+                step.exited = time.monotonic()
+                if self._watcher is not None:
+                    self._watcher.nudge()
+                else:
+                    step.exited = -math.inf  # nobody to ask: report at once
 
     def _close(self, step: _Step) -> None:
         """Reap the srun; whatever it left in its group goes first (its group id is still its
