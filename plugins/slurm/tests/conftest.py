@@ -95,6 +95,13 @@ def job_steps(job_id: str) -> list[str]:
 
 
 def planaria_processes() -> list[str]:
+    """Live processes of this test session's cluster that run planaria: they carry its
+    SLURM_CONF (the tests set it; srun and sbatch pass it on). Other users of this machine
+    and their planaria runs are not looked at."""
+    conf = os.environ.get("SLURM_CONF", "")
+    if not conf:
+        return []
+    mark = f"SLURM_CONF={conf}".encode()
     found = []
     me = os.getpid()
     for entry in Path("/proc").iterdir():
@@ -102,13 +109,14 @@ def planaria_processes() -> list[str]:
             continue
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
             status = (entry / "status").read_text()
         except OSError:
             continue
-        if "State:\tZ" in status:
+        if "State:\tZ" in status or mark not in environ:
             continue
         text = b" ".join(argv).decode(errors="replace")
-        if "planaria agent" in text or "-m planaria" in text or "planaria_slurm" in text:
+        if any(what in text for what in ("-m planaria", "planaria_slurm", "bin/planaria ")):
             found.append(f"{entry.name}: {text[:200]}")
     return found
 
