@@ -211,3 +211,59 @@ def test_a_node_set_down_is_replaced_and_excluded(tmp_path, clean_weights, resum
     assert f"#SBATCH --exclude={host}\n" in dry.stdout, dry.stdout
     final = weights(tmp_path)
     assert all(torch.equal(final[k], clean_weights[k]) for k in final)
+
+
+def test_with_no_spare_left_the_job_is_requeued_without_the_bad_node(tmp_path, resume_nodes):
+    """2 nodes, no spare, requeue: a node set down cannot be replaced, so the batch job is
+    requeued without it; the new run resumes from the committed checkpoint (an absolute
+    storage path) and ends with the weights of a run without a fault. A chaos pause would
+    pause the requeued run too: the job is long enough instead (120 steps) for the fault to
+    land after its first checkpoint."""
+    longer = [
+        sys.executable,
+        str(EXAMPLE),
+        "--steps",
+        "120",
+        "--ckpt-every",
+        "4",
+        "--out",
+        "final.pt",
+    ]
+    clean_dir = tmp_path / "clean"
+    clean_dir.mkdir()
+    clean = planaria(clean_dir, "run", str(job(clean_dir, command=longer)))
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    where = tmp_path / "requeued"
+    where.mkdir()
+    options = {"requeue": True, "sbatch": ["--oversubscribe"]}
+    config = job(where, {"backend": "slurm", "options": options}, command=longer)
+    storage = {"storage": {"options": {"path": str(where / "ckpt")}}}
+    submitted = planaria(where, "submit", str(config), "--set", f"checkpoint={json.dumps(storage)}")
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    job_id = submitted.stdout.split()[-1]
+    wait_for("the job's start", lambda: job_state(job_id) == "RUNNING")
+    wait_for(
+        "a committed checkpoint",
+        lambda: any(e["kind"] == "checkpoint_committed" for e in events(where)),
+        every=0.05,
+    )
+    agents = steps(job_id)
+    victim = next(name for name in agents if name.endswith(".node-1"))
+    _, host = agents[victim]
+    leftovers: list[str] = []
+    resume_nodes.append((host, leftovers))
+    slurm("scontrol", "update", f"nodename={host}", "state=down", "reason=planaria test")
+    wait_for("a second run", lambda: len(list(where.glob("planaria-runs/*"))) == 2, timeout=90)
+    output = finish(where, job_id)
+    assert "succeeded" in output, output
+    first = sorted(where.glob("planaria-runs/*"))[0]
+    leftovers += [first.name, "node-1"]
+    shown = slurm("scontrol", "show", "job", job_id).stdout
+    assert "Restarts=1" in shown, shown
+    assert f"ExcNodeList={host}" in shown, shown
+    second = sorted(where.glob("planaria-runs/*"))[1]
+    timeline = [json.loads(x) for x in (second / "events.jsonl").read_text().splitlines()]
+    rounds = [e for e in timeline if e["kind"] == "rendezvous_completed"]
+    assert rounds[0]["data"]["restore"] == "storage", rounds[0]
+    final, reference = weights(where), weights(clean_dir)
+    assert all(torch.equal(final[k], reference[k]) for k in final)
