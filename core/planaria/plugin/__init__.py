@@ -40,6 +40,8 @@ _HOME = {
         "NodeState",
         "Scheduler",
         "SchedulerRecord",
+        "SubmitRequest",
+        "SubmitResult",
     ),
     "planaria.storage.api": ("CheckpointStorage", "CheckpointStorageRecord", "split_key"),
     "planaria.node_benchmark.api": (
@@ -94,6 +96,8 @@ __all__ = [
     "SchedulerRecord",
     "Status",
     "StorageError",
+    "SubmitRequest",
+    "SubmitResult",
     "hookimpl",
     "hookspec",
     "match",
@@ -147,5 +151,7 @@ if TYPE_CHECKING:
         NodeState,
         Scheduler,
         SchedulerRecord,
+        SubmitRequest,
+        SubmitResult,
     )
     from planaria.storage.api import CheckpointStorage, CheckpointStorageRecord, split_key

@@ -15,7 +15,7 @@ from typing import ClassVar, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planaria.errors import ConfigIssue
+from planaria.errors import ConfigIssue, SchedulerError
 from planaria.plugin.records import PluginKind, PluginRecord
 
 
@@ -66,6 +66,37 @@ class NodeEvent(BaseModel):
     reason: str = ""
 
 
+class SubmitRequest(BaseModel):
+    """A job to hand to the cluster manager as a batch job that runs ``planaria run`` itself
+    (``planaria submit``): everything a batch script needs to say about it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    config: Path
+    """The job's config file, absolute: the batch job reads it again."""
+    overrides: tuple[str, ...] = ()
+    """``--set PATH=VALUE`` overrides, passed on to ``planaria run``."""
+    job: str
+    min_nodes: int
+    max_nodes: int
+    procs_per_node: int
+    workdir: Path
+    """The job's workdir, absolute (where it remembers what earlier runs learnt)."""
+    directory: Path
+    """Where the submission was made, absolute: relative paths of the config resolve here."""
+    python: str
+    """The interpreter that runs ``python -m planaria run`` in the batch job."""
+
+
+class SubmitResult(BaseModel):
+    """What a submission produced: the batch script, and the job id (none for a dry run)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    script: str
+    job_id: str | None = None
+
+
 OptionsT = TypeVar("OptionsT", bound=BaseModel)
 
 
@@ -93,6 +124,16 @@ class Scheduler(ABC, Generic[OptionsT]):
         workers each, as problems of the config (``job.nodes``, ``scheduler.options.X``),
         found when it loads, before anything starts. The default: none."""
         return []
+
+    @classmethod
+    def submit(cls, options: OptionsT, request: SubmitRequest, *, dry_run: bool) -> SubmitResult:
+        """Submit the job as a batch job of the cluster manager, which runs ``planaria run``
+        on its allocation; with ``dry_run`` only write the batch script. Only schedulers that
+        run inside an allocation have this; the default refuses."""
+        raise SchedulerError(
+            f"scheduler {cls.name!r} starts its nodes itself: use `planaria run` "
+            f"{request.config} rather than `planaria submit`"
+        )
 
     def interrupt(self) -> None:
         """Stop starting nodes, from any thread (the job is stopping): a :meth:`launch` or

@@ -1,0 +1,161 @@
+"""Slurm's own commands (``sinfo``, ``squeue``, ``scancel``, ``scontrol``, ``sbatch``) run with
+a timeout, and parsers of their parsable output formats.
+
+Every command is an argument list (never a shell line); one that fails raises a
+:class:`SlurmCommandError` carrying Slurm's own message, since that is what tells the user what
+to fix ("Invalid partition name specified", "Requested node configuration is not available").
+The parsers are pure functions, tested on recorded output.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from planaria import process
+from planaria.plugin import SchedulerError
+
+TIMEOUT = 30.0
+
+# Node states (sinfo %T) in which no step of ours can run, or should: the node is gone or an
+# operator took it out of service.
+BAD_STATES = frozenset(
+    {"down", "drained", "draining", "drain", "fail", "failing", "future", "unknown", "inval"}
+)
+# Flags sinfo appends to %T: * not responding, ~ powered off, # powering up, % powering down,
+# ! pending power down, $ maintenance reservation, @ pending reboot, ^ rebooting, - planned.
+_FLAGS = "*~#%!$@^-+"
+
+
+class SlurmMissingError(SchedulerError):
+    """Slurm's client commands are not installed on this machine."""
+
+
+class SlurmCommandError(SchedulerError):
+    """A Slurm command failed; the message holds Slurm's own."""
+
+
+def installed() -> bool:
+    return shutil.which("srun") is not None and shutil.which("squeue") is not None
+
+
+def run(args: Sequence[str], *, timeout: float = TIMEOUT, check: bool = True) -> str:
+    """Run a Slurm command and return its stdout; :class:`SlurmCommandError` with its stderr
+    when it fails (``check``), :class:`SlurmMissingError` when it is not installed. Short-lived
+    and bounded by ``timeout``, so it needs no death signal; its group is killed on timeout."""
+    argv = list(args)
+    try:
+        proc = process.popen(
+            argv,
+            die_with_parent=False,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    except FileNotFoundError:
+        raise SlurmMissingError(
+            f"{argv[0]} not found: Slurm's client commands are not installed on this machine "
+            "(or not on PATH); run planaria where sbatch and srun work"
+        ) from None
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill_group(proc.pid, 0.0)
+        proc.communicate()
+        raise SlurmCommandError(
+            f"{' '.join(argv)} did not answer within {timeout:g}s: is slurmctld reachable?"
+        ) from None
+    if check and proc.returncode != 0:
+        message = " ".join(line.strip() for line in stderr.splitlines() if line.strip())
+        raise SlurmCommandError(
+            f"{' '.join(argv)} failed (exit {proc.returncode}): {message or 'no message'}"
+        )
+    return str(stdout)
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """A node as ``sinfo -h -N -o '%N|%T|%E'`` shows it."""
+
+    name: str
+    state: str
+    """The base state in lower case, without sinfo's flags (``down``, ``idle``, ``mixed``)."""
+    responding: bool
+    reason: str = ""
+
+    @property
+    def usable(self) -> bool:
+        return self.responding and not (set(self.state.split("+")) & BAD_STATES)
+
+    def describe(self) -> str:
+        what = self.state if self.responding else f"{self.state}, not responding"
+        return f"Slurm node {self.name} is {what}" + (f" ({self.reason})" if self.reason else "")
+
+
+def parse_node_states(text: str) -> dict[str, NodeStatus]:
+    """``node1|idle|none`` lines -> {name: status}. A node listed twice (in two partitions)
+    keeps its first line; lines that are not of that form are skipped."""
+    nodes: dict[str, NodeStatus] = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|", 2)
+        if len(parts) < 2 or not parts[0] or not parts[1]:
+            continue
+        name, raw = parts[0], parts[1].strip().lower()
+        reason = parts[2].strip() if len(parts) > 2 else ""
+        state = raw.rstrip(_FLAGS)
+        responding = "*" not in raw[len(state) :]
+        if reason.lower() == "none":
+            reason = ""
+        nodes.setdefault(name, NodeStatus(name, state or raw, responding, reason))
+    return nodes
+
+
+def parse_steps(text: str) -> dict[str, str]:
+    """``squeue -h -s -o '%i|%j'`` lines (``7.0|name``) -> {step name: step id}; the batch and
+    extern steps are left out (they are no node of ours)."""
+    steps: dict[str, str] = {}
+    for line in text.splitlines():
+        step_id, sep, name = line.strip().partition("|")
+        if not sep or "." not in step_id:
+            continue
+        if step_id.rsplit(".", 1)[1] in ("batch", "extern", "interactive"):
+            continue
+        steps[name.strip()] = step_id
+    return steps
+
+
+def hostnames(nodelist: str) -> list[str]:
+    """``node[1-3],gpu7`` -> the node names, in Slurm's order (``scontrol show hostnames``)."""
+    if not nodelist.strip():
+        return []
+    return run(["scontrol", "show", "hostnames", nodelist]).split()
+
+
+def node_states(names: Sequence[str] | None = None) -> dict[str, NodeStatus]:
+    args = ["sinfo", "-h", "-N", "-o", "%N|%T|%E"]
+    if names:
+        args += ["-n", ",".join(names)]
+    return parse_node_states(run(args))
+
+
+def job_steps(job_id: str) -> dict[str, str]:
+    return parse_steps(run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j"]))
+
+
+def job_nodes(job_id: str) -> list[str]:
+    """The nodes of a running job, in order; an error naming the job when it is not running."""
+    line = run(["squeue", "-h", "-j", job_id, "-o", "%T|%N"]).strip()
+    state, _, nodelist = line.partition("|")
+    if not line:
+        raise SlurmCommandError(
+            f"Slurm job {job_id} does not exist (or has ended): run planaria inside a running "
+            "allocation (sbatch, salloc), or use `planaria submit`"
+        )
+    if state != "RUNNING":
+        raise SlurmCommandError(
+            f"Slurm job {job_id} is {state.lower()}, not running: its nodes are not allocated yet"
+        )
+    return hostnames(nodelist)

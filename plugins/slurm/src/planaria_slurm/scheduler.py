@@ -1,0 +1,690 @@
+"""The ``slurm`` scheduler: inside an allocation, one agent per node, each its own job step.
+
+Every node is ``srun --jobid=J --nodes=1 --ntasks=1 --nodelist=<node> --overlap
+--kill-on-bad-exit=0 --export=ALL <agent>``, started here: the loss of one node ends one step,
+never the job (the allocation must survive a down node: ``sbatch --no-kill``, which ``planaria
+submit`` writes). The srun's exit is the node's exit, seen at once through a pidfd; what Slurm
+says about the nodes (``sinfo``) and the steps (``squeue -s``) comes from a watcher thread
+(:mod:`planaria_slurm.watch`), so :meth:`SlurmScheduler.poll` never waits on a Slurm command.
+A node Slurm reports down, drained or not responding has its step cancelled and is reported
+``lost``; this job uses it no more.
+
+The allocation's nodes beyond the job's are spares: a replacement goes to a free spare first,
+and back to the old node only when that node is sound. The job token reaches the agents only
+through the environment (srun exports it), never a command line.
+
+This module is longer than most: the step's life (start, watch, stop) is one idea, and the
+Slurm facts it relies on are stated where they are used. Submission is in
+:mod:`planaria_slurm.submit`, and the nodes remembered bad in :mod:`planaria_slurm.state`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from planaria import process
+from planaria.errors import ConfigIssue
+from planaria.log import get_logger
+from planaria.plugin import (
+    LaunchSpec,
+    NodeEvent,
+    NodeHandle,
+    NodeState,
+    Scheduler,
+    SchedulerError,
+    SubmitRequest,
+    SubmitResult,
+)
+from planaria.protocol import HOST_ENV, NODE_ID_ENV
+from planaria_slurm import commands, state, submit
+from planaria_slurm.options import SlurmOptions
+from planaria_slurm.watch import Snapshot, Watcher
+
+log = get_logger("scheduler.slurm")
+
+# After SIGKILL of a step, srun reports its end within a second; past this it is stuck
+# (slurmctld gone) and is killed here.
+_SRUN_KILL_WAIT = 15.0
+_CLEANUP_TIMEOUT = 60.0
+
+
+@dataclass(eq=False)
+class _Step:
+    node_id: str
+    host: str
+    spec: LaunchSpec
+    name: str
+    """The step's name (srun --job-name), by which squeue shows its id."""
+    proc: subprocess.Popen[bytes]
+    pidfd: int | None
+    step_id: str | None = None
+    reported: bool = False
+    """A terminal event was given: nothing more is said about it."""
+    exited: float | None = None
+    """When its srun was seen to end, while the report waits for Slurm's next word on the
+    node: srun exits 0 on "Node failure", so its status alone cannot tell a loss."""
+    released: bool = False
+    """Stopped or replaced: the caller let go of it."""
+
+    @property
+    def reaped(self) -> bool:
+        return self.proc.returncode is not None
+
+
+def _exit_event(node_id: str, returncode: int) -> NodeEvent:
+    if returncode == 0:
+        return NodeEvent(node_id=node_id, state=NodeState.SUCCEEDED)
+    if returncode < 0 or returncode > 128:
+        # srun exits 128+N when its task was killed by signal N; negative: srun itself was.
+        number = -returncode if returncode < 0 else returncode - 128
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = f"signal {number}"
+        who = "srun" if returncode < 0 else "the agent"
+        return NodeEvent(node_id=node_id, state=NodeState.LOST, reason=f"{who} killed by {name}")
+    return NodeEvent(node_id=node_id, state=NodeState.FAILED, reason=f"exit code {returncode}")
+
+
+def allocation(options: SlurmOptions) -> str | None:
+    """The job id of the allocation to use: the option, or the one this process runs in."""
+    return options.job_id or os.environ.get("SLURM_JOB_ID") or None
+
+
+class SlurmScheduler(Scheduler[SlurmOptions]):
+    """Nodes are job steps of a Slurm allocation (see the module docstring)."""
+
+    name = "slurm"
+    nodes_here = False
+
+    @classmethod
+    def capacity_issues(
+        cls, options: SlurmOptions, *, nodes: int, procs_per_node: int
+    ) -> list[ConfigIssue]:
+        """Slurm must be installed; a named partition must exist; inside an allocation the
+        job must fit it."""
+        if not commands.installed():
+            return [
+                ConfigIssue(
+                    "scheduler.backend",
+                    "Slurm's commands (srun, squeue, sbatch) are not installed here, or not on "
+                    "PATH: run planaria on a machine of the Slurm cluster",
+                )
+            ]
+        issues = []
+        try:
+            if options.partition is not None:
+                found = commands.run(["sinfo", "-h", "-p", options.partition, "-o", "%P"])
+                if not found.strip():
+                    issues.append(
+                        ConfigIssue(
+                            "scheduler.options.partition",
+                            f"Slurm has no partition {options.partition!r} (sinfo -p shows "
+                            "nothing); `sinfo -s` lists them",
+                        )
+                    )
+            job_id = allocation(options)
+            if job_id is not None and options.job_id is not None:
+                have = commands.job_nodes(job_id)
+                if len(have) < nodes:
+                    issues.append(
+                        ConfigIssue(
+                            "job.nodes",
+                            f"the job wants up to {nodes} nodes, but Slurm job {job_id} has "
+                            f"{len(have)} ({', '.join(have)}): ask for fewer, or allocate more",
+                        )
+                    )
+        except commands.SlurmCommandError as exc:
+            issues.append(ConfigIssue("scheduler.options", str(exc)))
+        return issues
+
+    @classmethod
+    def submit(
+        cls, options: SlurmOptions, request: SubmitRequest, *, dry_run: bool
+    ) -> SubmitResult:
+        return submit.submit(options, request, dry_run=dry_run)
+
+    def __init__(self, options: SlurmOptions) -> None:
+        super().__init__(options)
+        self._steps: dict[str, _Step] = {}
+        self._events: list[NodeEvent] = []
+        self._excluded: dict[str, str] = {}
+        """Hosts this job uses no more, and why."""
+        self._next_number = 0
+        self._tag = uuid.uuid4().hex[:8]
+        self._job_id: str | None = None
+        self._pool: list[str] = []
+        self._watcher: Watcher | None = None
+        self._owner: threading.Thread | None = None
+        self._background: list[subprocess.Popen[Any]] = []
+        self._used: dict[str, set[str]] = {}
+        """Host -> the (run id, node id) ... of every node that ran there: cleaned at stop."""
+
+    # -- the Scheduler interface --------------------------------------------------------
+
+    def launch(self, spec: LaunchSpec, count: int) -> list[NodeHandle]:
+        """Start ``count`` steps on free, sound nodes of the allocation; all or nothing."""
+        if count < 0:
+            raise SchedulerError(f"cannot launch {count} nodes: the count must be 0 or more")
+        self._check_thread()
+        if not spec.command:
+            raise SchedulerError("cannot launch nodes: the launch command is empty")
+        if count == 0:
+            return []
+        self._check_interrupted("cannot launch nodes")
+        self._attach()
+        free = self._free_hosts(set())
+        if len(free) < count:
+            raise SchedulerError(self._shortage(count, len(free)))
+        started: list[_Step] = []
+        try:
+            for done, host in enumerate(free[:count]):
+                self._check_interrupted(f"launching stopped after {done} of {count} nodes")
+                started.append(self._start(spec, host, self._new_id()))
+        except BaseException:
+            self._terminate(started, grace=0.0)
+            for step in started:
+                del self._steps[step.node_id]
+            raise
+        return [NodeHandle(node_id=s.node_id, host=s.host) for s in started]
+
+    def poll(self, timeout: float) -> list[NodeEvent]:
+        """State changes since the last call; waits at most ``timeout`` seconds for the
+        first. A step's end is seen at once (its srun exits); a node Slurm reports bad within
+        ``watch_interval``."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            self._reap()
+            self._observe()
+            if self._events:
+                events, self._events = self._events, []
+                return events
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return []
+            self._wait(remaining)
+
+    def replace(self, node_id: str, *, exclude_host: bool) -> NodeHandle:
+        """Stop ``node_id`` and start a node on a free spare (or, when none is free and the
+        old node is sound, on the old node again). A host Slurm reports bad is excluded like
+        one asked to be. No node to go to: :class:`SchedulerError`, after requeueing the batch
+        job with the bad nodes excluded when the ``requeue`` option is on."""
+        self._check_thread()
+        self._check_interrupted(f"cannot replace {node_id}")
+        old = self._get(node_id)
+        if old.released:
+            raise SchedulerError(f"cannot replace {node_id}: it was already stopped or replaced")
+        bad = self._bad_hosts().get(old.host)
+        exclude = exclude_host or bad is not None
+        others = [h for h in self._free_hosts({old.host}) if h != old.host]
+        target = others[0] if others else None
+        if target is None and not exclude and old.host not in self._excluded:
+            target = old.host
+        if exclude:
+            self._exclude(old.host, bad or f"node {node_id} was diagnosed faulty")
+        if target is None:
+            message = (
+                f"cannot replace {node_id}: no spare node is left in Slurm job {self._job_id} "
+                f"(nodes {', '.join(self._pool)}; excluded: "
+                f"{', '.join(sorted(self._excluded)) or 'none'})"
+            )
+            if self.options.requeue:
+                message += "; " + self._requeue()
+            raise SchedulerError(message)
+        self._release([old])
+        self._terminate([old], grace=self.options.stop_grace)
+        new = self._start(old.spec, target, self._new_id())
+        log.info("node replaced", node=node_id, replacement=new.node_id, host=target)
+        return NodeHandle(node_id=new.node_id, host=new.host)
+
+    def stop(self, node_ids: list[str] | None = None) -> None:
+        """Cancel the steps (SIGTERM, SIGKILL after ``stop_grace``) and return once they and
+        their sruns are gone. Stopping everything also removes what the job's nodes left in
+        their /dev/shm (a cleanup step per node used) and ends the watcher thread."""
+        if node_ids is None:
+            targets = list(self._steps.values())
+        else:
+            targets = [self._get(node_id) for node_id in dict.fromkeys(node_ids)]
+        self._release(targets)
+        self._terminate(targets, grace=self.options.stop_grace)
+        if node_ids is None:
+            self._cleanup_shm()
+            if self._watcher is not None:
+                self._watcher.close()
+                self._watcher = None
+            for proc in self._background:
+                proc.wait()
+            self._background.clear()
+
+    def excluded_hosts(self) -> set[str]:
+        return set(self._excluded)
+
+    # -- the allocation -----------------------------------------------------------------
+
+    def _attach(self) -> None:
+        """Find the allocation and its nodes, once."""
+        if self._job_id is not None:
+            if self._watcher is None:
+                self._watch()
+            return
+        job_id = allocation(self.options)
+        if job_id is None:
+            raise SchedulerError(
+                "not inside a Slurm allocation (SLURM_JOB_ID is not set and "
+                "scheduler.options.job_id is not given): run `planaria submit job.yaml`, or "
+                "`planaria run` inside sbatch or salloc"
+            )
+        self._pool = commands.job_nodes(job_id)
+        self._job_id = job_id
+        for host, why in state.load(self.options.state_dir).items():
+            if host in self._pool:
+                self._excluded[host] = why
+                log.warning("node excluded: found bad by an earlier run", host=host, why=why)
+        self._watch()
+
+    def _watch(self) -> None:
+        assert self._job_id is not None
+        self._watcher = Watcher(
+            self._job_id,
+            self._pool,
+            self.options.watch_interval,
+            eager=lambda: any(s.step_id is None for s in self._live()) or bool(self._pending()),
+        )
+
+    def _live(self) -> list[_Step]:
+        return [s for s in list(self._steps.values()) if not s.released and not s.reaped]
+
+    def _pending(self) -> list[_Step]:
+        """Steps whose srun ended, not reported yet."""
+        return [
+            s
+            for s in list(self._steps.values())
+            if s.exited is not None and not s.reported and not s.released
+        ]
+
+    def _bad_hosts(self) -> dict[str, str]:
+        """Hosts of the allocation Slurm now reports unusable, with why."""
+        if self._watcher is None:
+            return {}
+        nodes = self._watcher.snapshot.nodes
+        return {h: nodes[h].describe() for h in self._pool if h in nodes and not nodes[h].usable}
+
+    def _free_hosts(self, also_taken: set[str]) -> list[str]:
+        """Nodes with no live step of ours, not excluded, and sound as far as Slurm says."""
+        taken = {s.host for s in self._steps.values() if not s.released} | also_taken
+        try:
+            states = commands.node_states(self._pool)
+        except SchedulerError as exc:
+            log.warning("cannot read node states; trusting the last ones", error=str(exc))
+            states = self._watcher.snapshot.nodes if self._watcher else {}
+        return [
+            h
+            for h in self._pool
+            if h not in taken and h not in self._excluded and (h not in states or states[h].usable)
+        ]
+
+    def _shortage(self, count: int, free: int) -> str:
+        excluded = ", ".join(f"{h} ({why})" for h, why in sorted(self._excluded.items()))
+        return (
+            f"cannot launch {count} node(s): Slurm job {self._job_id} has {len(self._pool)} "
+            f"node(s) ({', '.join(self._pool)}), of which {free} are free and sound"
+            + (f"; excluded: {excluded}" if excluded else "")
+            + ": allocate more nodes, or ask for fewer (job.nodes)"
+        )
+
+    def _exclude(self, host: str, why: str) -> None:
+        if host in self._excluded:
+            return
+        self._excluded[host] = why
+        log.warning("node excluded", host=host, why=why)
+        state.remember(self.options.state_dir, host, why)
+        if self.options.drain:
+            try:
+                commands.run(
+                    [
+                        "scontrol",
+                        "update",
+                        f"nodename={host}",
+                        "state=drain",
+                        f"reason=planaria: {why}"[:200],
+                    ]
+                )
+            except SchedulerError as exc:
+                log.warning(
+                    "cannot drain the node (operator rights needed?)", host=host, error=str(exc)
+                )
+
+    def _requeue(self) -> str:
+        """Requeue the batch job without the excluded nodes; says what was done."""
+        job_id = self._job_id
+        assert job_id is not None
+        exclude = ",".join(sorted(self._excluded))
+        update = ["scontrol", "update", f"jobid={job_id}", f"ExcNodeList={exclude}"]
+        try:
+            commands.run(["scontrol", "requeue", job_id])
+        except SchedulerError as exc:
+            return f"requeueing it failed: {exc}"
+        if exclude:
+            # A running job's ExcNodeList cannot change; a requeued one is pending again.
+            deadline = time.monotonic() + 10.0
+            while True:
+                try:
+                    commands.run(update)
+                    break
+                except SchedulerError as exc:
+                    if time.monotonic() > deadline:
+                        log.warning(
+                            "cannot exclude the bad nodes from the requeued job", error=str(exc)
+                        )
+                        break
+                    time.sleep(0.5)
+        log.warning("job requeued", job=job_id, excluded=exclude)
+        return f"Slurm job {job_id} requeued" + (f" without {exclude}" if exclude else "")
+
+    # -- steps ----------------------------------------------------------------------------
+
+    def _check_thread(self) -> None:
+        """Each srun dies with the thread that started it (``PR_SET_PDEATHSIG``), and with it
+        its step: start them all from one long-lived thread, as the master does."""
+        current = threading.current_thread()
+        if self._owner is None or not self._owner.is_alive():
+            self._owner = current
+        elif self._owner is not current:
+            raise SchedulerError(
+                f"the slurm scheduler starts its sruns from one long-lived thread (they die "
+                f"with it): called from {current.name!r}, but {self._owner.name!r} started them"
+            )
+
+    def _check_interrupted(self, what: str) -> None:
+        if self.interrupted:
+            raise SchedulerError(f"{what}: the job is stopping (the scheduler was interrupted)")
+
+    def _new_id(self) -> str:
+        node_id = f"node-{self._next_number}"
+        self._next_number += 1
+        return node_id
+
+    def _get(self, node_id: str) -> _Step:
+        step = self._steps.get(node_id)
+        if step is None:
+            raise SchedulerError(f"unknown node {node_id!r}: this slurm scheduler never started it")
+        return step
+
+    def _start(self, spec: LaunchSpec, host: str, node_id: str) -> _Step:
+        assert self._job_id is not None and self._watcher is not None
+        name = f"planaria.{spec.run_id or self._tag}.{node_id}"
+        env = {**os.environ, **spec.env, NODE_ID_ENV: node_id, HOST_ENV: host}
+        argv = [
+            "srun",
+            f"--jobid={self._job_id}",
+            "--nodes=1",
+            "--ntasks=1",
+            f"--nodelist={host}",
+            "--overlap",
+            "--kill-on-bad-exit=0",
+            "--export=ALL",
+            f"--job-name={name}",
+            # Around the agent, so that no process of the node outlives its step.
+            sys.executable,
+            "-m",
+            "planaria_slurm.step",
+            *spec.command,
+        ]
+        try:
+            log_fd = None if spec.log_dir is None else state.open_log(spec.log_dir, node_id)
+        except OSError as exc:
+            raise SchedulerError(
+                f"cannot open the log of {node_id} in {spec.log_dir}: {exc}"
+            ) from exc
+        try:
+            proc = process.popen(
+                argv, env=env, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd
+            )
+        except OSError as exc:
+            raise SchedulerError(f"cannot start srun for {node_id}: {exc}") from exc
+        finally:
+            if log_fd is not None:
+                os.close(log_fd)
+        try:
+            pidfd: int | None = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):
+            pidfd = None
+        step = _Step(node_id, host, spec, name, proc, pidfd)
+        self._steps[node_id] = step
+        if spec.run_id:
+            self._used.setdefault(host, set()).add(f"{spec.run_id}\0{node_id}")
+        self._watcher.nudge()
+        log.info("node started", node=node_id, host=host, step_name=name)
+        return step
+
+    def _observe(self) -> None:
+        """Act on the watcher's latest look: steps that appeared run; a node gone bad loses
+        its step."""
+        if self._watcher is not None:
+            self._watcher.drain_wake()
+        snapshot = self._watcher.snapshot if self._watcher is not None else Snapshot()
+        bad = self._bad_hosts()
+        for step in self._live():
+            if step.reported:
+                continue
+            if step.step_id is None and step.name in snapshot.steps:
+                step.step_id = snapshot.steps[step.name]
+                self._events.append(NodeEvent(node_id=step.node_id, state=NodeState.RUNNING))
+            why = bad.get(step.host)
+            if why is not None:
+                step.reported = True
+                self._events.append(
+                    NodeEvent(node_id=step.node_id, state=NodeState.LOST, reason=why)
+                )
+                log.warning("node lost", node=step.node_id, why=why)
+                self._signal([step], signal.SIGKILL, wait=False)
+        now = time.monotonic()
+        late = max(5.0, 3 * self.options.watch_interval)
+        for step in self._pending():
+            assert step.exited is not None
+            why = bad.get(step.host)
+            if why is None and snapshot.taken <= step.exited and now - step.exited < late:
+                continue  # Slurm's look at the node since the exit is still to come
+            step.reported = True
+            if why is not None:
+                event = NodeEvent(node_id=step.node_id, state=NodeState.LOST, reason=why)
+            else:
+                event = _exit_event(step.node_id, step.proc.returncode)
+            self._events.append(event)
+            log.info("node exited", node=step.node_id, state=event.state.value, reason=event.reason)
+
+    def _reap(self) -> None:
+        for step in self._steps.values():
+            if step.released or step.reaped:
+                continue
+            try:
+                if not process.has_exited(step.proc.pid):
+                    continue
+            except ChildProcessError:  # reaped elsewhere: its status is lost
+                step.proc.returncode = -signal.SIGKILL
+            self._close(step)
+            if not step.reported:
+                step.exited = time.monotonic()
+                if self._watcher is not None:
+                    self._watcher.nudge()
+                else:
+                    step.exited = -math.inf  # nobody to ask: report at once
+
+    def _close(self, step: _Step) -> None:
+        """Reap the srun; whatever it left in its group goes first (its group id is still its
+        own while it is unreaped)."""
+        if step.proc.returncode is None:
+            process.signal_group(step.proc.pid, signal.SIGKILL)
+            step.proc.wait()
+        if step.pidfd is not None:
+            os.close(step.pidfd)
+            step.pidfd = None
+
+    def _wait(self, remaining: float) -> None:
+        live = self._live()
+        fds = [s.pidfd for s in live if s.pidfd is not None]
+        if len(fds) < len(live):
+            remaining = min(remaining, 0.01)
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        if self._watcher is not None:
+            poller.register(self._watcher.wake_fd, select.POLLIN)
+        # Rounded down, so that poll never waits past its deadline (it loops for the rest).
+        poller.poll(math.floor(remaining * 1000))
+
+    def _release(self, steps: Iterable[_Step]) -> None:
+        ids = set()
+        for step in steps:
+            step.released = True
+            ids.add(step.node_id)
+        self._events = [e for e in self._events if e.node_id not in ids]
+
+    def _signal(self, steps: list[_Step], sig: signal.Signals, *, wait: bool) -> None:
+        """Signal the steps through Slurm (every process of the step, on its node), or, for
+        one whose step id is not known yet, its srun (which passes SIGTERM on, and takes its
+        step down when killed)."""
+        known = [s for s in steps if s.step_id is not None]
+        if known:
+            argv = ["scancel", f"--signal={sig.name[3:]}", *[str(s.step_id) for s in known]]
+            if wait:
+                try:
+                    commands.run(argv, check=False)
+                except SchedulerError as exc:
+                    log.warning("scancel failed", error=str(exc))
+            else:
+                self._background = [p for p in self._background if p.poll() is None]
+                self._background.append(
+                    process.popen(
+                        argv,
+                        die_with_parent=False,
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
+                )
+        for step in steps:
+            if step.step_id is None and not step.reaped:
+                process.signal_group(step.proc.pid, sig)
+
+    def _terminate(self, steps: list[_Step], grace: float) -> None:
+        """SIGTERM the steps, SIGKILL them after ``grace``, and return when their sruns have
+        ended and Slurm shows none of the steps any more."""
+        live = [s for s in steps if not s.reaped]
+        if not live:
+            return
+        self._find_ids(live)
+        if grace > 0:
+            self._signal(live, signal.SIGTERM, wait=True)
+            live = self._wait_exit(live, grace)
+        if live:
+            self._find_ids(live)
+            self._signal(live, signal.SIGKILL, wait=True)
+            live = self._wait_exit(live, _SRUN_KILL_WAIT)
+        for step in live:  # srun stuck (slurmctld gone): end it here
+            process.kill_group(step.proc.pid, 0.0)
+        for step in steps:
+            if not step.reaped:
+                self._close(step)
+            log.info("node stopped", node=step.node_id, returncode=step.proc.returncode)
+        self._wait_steps_gone({s.name for s in steps})
+
+    def _find_ids(self, steps: list[_Step]) -> None:
+        if all(s.step_id is not None for s in steps) or self._job_id is None:
+            return
+        try:
+            ids = commands.job_steps(self._job_id)
+        except SchedulerError as exc:
+            log.warning("cannot list the job's steps", error=str(exc))
+            return
+        for step in steps:
+            step.step_id = step.step_id or ids.get(step.name)
+
+    def _wait_exit(self, steps: list[_Step], timeout: float) -> list[_Step]:
+        """Wait until the sruns have exited, at most ``timeout``; the ones still running."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = [s for s in steps if s.proc.poll() is None]
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(0.02)
+
+    def _wait_steps_gone(self, names: set[str], timeout: float = 10.0) -> None:
+        """A step leaves squeue a moment after its srun ends: wait for that, so that a stop
+        that returned left nothing of the job running."""
+        if self._job_id is None:
+            return
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                steps = commands.job_steps(self._job_id)
+            except SchedulerError:
+                return
+            if not names & steps.keys() or time.monotonic() >= deadline:
+                return
+            time.sleep(0.1)
+
+    def _cleanup_shm(self) -> None:
+        """Run ``planaria_slurm.cleanup`` on every sound node the job used: agents killed
+        without a chance to clean up leave their shared memory behind, and a node's /dev/shm
+        is only reachable from the node."""
+        used, self._used = self._used, {}
+        if self._job_id is None or not used:
+            return
+        bad = self._bad_hosts()
+        procs = []
+        for host, pairs in sorted(used.items()):
+            if host in bad:
+                continue
+            argv = [
+                "srun",
+                f"--jobid={self._job_id}",
+                "--nodes=1",
+                "--ntasks=1",
+                f"--nodelist={host}",
+                "--overlap",
+                "--export=ALL",
+                f"--job-name=planaria.cleanup.{self._tag}",
+                sys.executable,
+                "-m",
+                "planaria_slurm.cleanup",
+            ]
+            for pair in sorted(pairs):
+                run_id, _, node_id = pair.partition("\0")
+                argv += [run_id, node_id]
+            procs.append(
+                (
+                    host,
+                    process.popen(
+                        argv,
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                    ),
+                )
+            )
+        for host, proc in procs:
+            try:
+                output, _ = proc.communicate(timeout=_CLEANUP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                process.kill_group(proc.pid, 0.0)
+                proc.communicate()
+                log.warning("shared-memory cleanup timed out", host=host)
+                continue
+            if proc.returncode != 0:
+                log.warning(
+                    "shared-memory cleanup failed",
+                    host=host,
+                    output=output.decode(errors="replace")[-500:],
+                )

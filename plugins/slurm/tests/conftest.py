@@ -1,0 +1,142 @@
+"""A real Slurm cluster for the whole session (``cluster.sh``), an allocation on it that the
+scheduler's tests run inside, and a check after every test that the job left nothing behind:
+no step, no planaria process, no shared memory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+CLUSTER = HERE / "cluster.sh"
+NODES = 4
+
+
+def slurm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, timeout=30, check=check)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[dict[str, str]]:
+    """Start a 4-node cluster once; its environment (SLURM_CONF) goes into os.environ."""
+    if shutil.which("slurmctld") is None or shutil.which("srun") is None:
+        installed = subprocess.run([str(CLUSTER), "install"], capture_output=True, text=True)
+        if installed.returncode != 0:
+            pytest.skip(f"Slurm is not installed and cannot be: {installed.stderr.strip()}")
+    started = subprocess.run(
+        [str(CLUSTER), "start", str(NODES)], capture_output=True, text=True, timeout=120
+    )
+    if started.returncode != 0:
+        pytest.fail(f"cluster.sh start failed:\n{started.stderr}")
+    env = {}
+    for line in started.stdout.splitlines():
+        if line.startswith("export "):
+            name, _, value = line[len("export ") :].partition("=")
+            env[name] = value
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield env
+    finally:
+        subprocess.run([str(CLUSTER), "stop"], capture_output=True, text=True, timeout=120)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def wait_running(job_id: str, timeout: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        state = slurm("squeue", "-h", "-j", job_id, "-o", "%T").stdout.strip()
+        if state == "RUNNING":
+            return state
+        if time.monotonic() > deadline:
+            pytest.fail(f"Slurm job {job_id} is {state or 'gone'}, not running, after {timeout}s")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def allocation(
+    slurm_cluster: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """A job holding every node (shared, surviving a down node) whose id tests pass as
+    scheduler.options.job_id; cancelled at the end."""
+    where = tmp_path_factory.mktemp("allocation")
+    job_id = slurm(
+        "sbatch",
+        "--parsable",
+        f"-N{NODES}",
+        "--oversubscribe",
+        "--no-kill",
+        f"--chdir={where}",
+        "--output=/dev/null",
+        "--job-name=planaria-tests",
+        "--wrap",
+        "exec sleep infinity",
+    ).stdout.strip()
+    try:
+        wait_running(job_id)
+        yield job_id
+    finally:
+        slurm("scancel", job_id, check=False)
+
+
+def job_steps(job_id: str) -> list[str]:
+    out = slurm("squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j", check=False).stdout
+    return [line for line in out.splitlines() if line and ".batch" not in line]
+
+
+def planaria_processes() -> list[str]:
+    """Live processes of this test session's cluster that run planaria: they carry its
+    SLURM_CONF (the tests set it; srun and sbatch pass it on). Other users of this machine
+    and their planaria runs are not looked at."""
+    conf = os.environ.get("SLURM_CONF", "")
+    if not conf:
+        return []
+    mark = f"SLURM_CONF={conf}".encode()
+    found = []
+    me = os.getpid()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        if "State:\tZ" in status or mark not in environ:
+            continue
+        text = b" ".join(argv).decode(errors="replace")
+        if any(what in text for what in ("-m planaria", "planaria_slurm", "bin/planaria ")):
+            found.append(f"{entry.name}: {text[:200]}")
+    return found
+
+
+@pytest.fixture(autouse=True)
+def leaves_nothing(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test that used the cluster: no step of the allocation, no planaria process."""
+    shm_before = set(Path("/dev/shm").glob("planaria-*"))
+    yield
+    if "slurm_cluster" not in request.fixturenames and "allocation" not in request.fixturenames:
+        return
+    job_id = request.getfixturevalue("allocation") if "allocation" in request.fixturenames else None
+    deadline = time.monotonic() + 20
+    while True:
+        steps = job_steps(job_id) if job_id else []
+        procs = planaria_processes()
+        shm = set(Path("/dev/shm").glob("planaria-*")) - shm_before
+        if not (steps or procs or shm) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not steps, f"steps of the job left running: {steps}"
+    assert not procs, f"planaria processes left running: {procs}"
+    assert not shm, f"shared memory left: {sorted(map(str, shm))}"

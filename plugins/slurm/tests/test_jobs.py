@@ -1,0 +1,269 @@
+"""``planaria submit`` and ``planaria run`` on a real Slurm cluster, end to end: a training job
+(examples/train_gpt.py over gloo) submitted with sbatch on 2 nodes and a spare loses a node, to
+``scancel`` of its step or to ``scontrol ... state=down``, is replaced on the spare and ends
+with bitwise the weights of a run without a fault."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import slurm
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.usefixtures("slurm_cluster")
+
+ROOT = Path(__file__).resolve().parents[3]
+EXAMPLE = ROOT / "examples" / "train_gpt.py"
+STEPS = ["--steps", "24", "--ckpt-every", "4", "--out", "final.pt"]
+
+
+def job(where: Path, scheduler: dict[str, object] | None = None, **job: object) -> Path:
+    config: dict[str, object] = {
+        "job": {
+            "name": "slurm-e2e",
+            "command": [sys.executable, str(EXAMPLE), *STEPS],
+            "nodes": 2,
+            "procs_per_node": 1,
+            "max_restarts": 3,
+            **job,
+        },
+        "rendezvous": {"join_grace": "2s", "join_timeout": "90s"},
+        "master": {"heartbeat_interval": "1s", "heartbeat_timeout": "15s"},
+        "diagnosis": {"checks": [], "preflight": False},
+    }
+    if scheduler is not None:
+        config["scheduler"] = scheduler
+    path = where / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def planaria(
+    where: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "planaria", *args],
+        cwd=where,
+        env={**os.environ, "COLUMNS": "200", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def events(where: Path) -> list[dict]:
+    found = []
+    for timeline in where.glob("planaria-runs/*/events.jsonl"):
+        found += [json.loads(line) for line in timeline.read_text().splitlines()]
+    return found
+
+
+def weights(where: Path) -> dict:
+    (path,) = where.glob("final.pt")
+    return torch.load(path, weights_only=True, map_location="cpu")
+
+
+def wait_for(what: str, predicate, timeout: float = 120.0, every: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not happen within {timeout:g}s")
+        time.sleep(every)
+
+
+def job_state(job_id: str) -> str:
+    return slurm("squeue", "-h", "-j", job_id, "-o", "%T", check=False).stdout.strip()
+
+
+def steps(job_id: str) -> dict[str, tuple[str, str]]:
+    """Step name -> (step id, node) of the job's agent steps."""
+    out = slurm("squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j|%N", check=False).stdout
+    found = {}
+    for line in out.splitlines():
+        step, name, node = line.split("|")
+        if name.startswith("planaria.") and ".cleanup." not in name:
+            found[name] = (step, node)
+    return found
+
+
+@pytest.fixture(scope="module")
+def clean_weights(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The same job without a fault, on the local scheduler (2 nodes of 1 worker)."""
+    where = tmp_path_factory.mktemp("clean")
+    done = planaria(where, "run", str(job(where)))
+    assert done.returncode == 0, done.stdout + done.stderr
+    return weights(where)
+
+
+def submit_and_pause(where: Path) -> tuple[str, dict[str, tuple[str, str]]]:
+    """Submit the job (3 nodes: 2 and a spare) with rank 0 stopping itself at step 10, so that
+    a fault from outside lands mid-training; returns the Slurm job id and its agent steps."""
+    scheduler = {"backend": "slurm", "options": {"spares": 1, "sbatch": ["--oversubscribe"]}}
+    config = job(where, scheduler)
+    chaos = ["--set", 'chaos=[{"kind": "stop_worker", "rank": 0, "at_step": 10}]']
+    submitted = planaria(where, "submit", str(config), *chaos)
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    job_id = submitted.stdout.split()[-1]
+    assert job_id.isdigit(), submitted.stdout
+    nodes = slurm("squeue", "-h", "-j", job_id, "-o", "%D").stdout.strip()
+    wait_for("the job's start", lambda: job_state(job_id) == "RUNNING")
+    assert slurm("squeue", "-h", "-j", job_id, "-o", "%D").stdout.strip() == "3", nodes
+
+    def paused() -> bool:
+        return any("stop_worker" in p.read_text() for p in where.glob("planaria-runs/*/logs/*.log"))
+
+    wait_for("rank 0 pausing at step 10", paused)
+    return job_id, steps(job_id)
+
+
+def finish(where: Path, job_id: str) -> str:
+    wait_for("the job's end", lambda: job_state(job_id) == "", timeout=240)
+    (output,) = where.glob(".planaria/slurm-*.out")
+    return output.read_text()
+
+
+def test_a_node_whose_step_is_cancelled_is_replaced_on_the_spare(tmp_path, clean_weights):
+    job_id, agents = submit_and_pause(tmp_path)
+    assert len(agents) == 2, agents
+    allocated = slurm("squeue", "-h", "-j", job_id, "-o", "%N").stdout.strip()
+    nodes = slurm("scontrol", "show", "hostnames", allocated).stdout.split()
+    victim = next(name for name in agents if name.endswith(".node-1"))
+    step_id, _host = agents[victim]
+    cancelled = time.monotonic()
+    slurm("scancel", step_id)
+
+    def replaced() -> dict | None:
+        return next((e for e in events(tmp_path) if e["kind"] == "node_replaced"), None)
+
+    event = wait_for("the replacement", replaced)
+    took = time.monotonic() - cancelled
+    spare = next(n for n in nodes if n not in {h for _, h in agents.values()})
+    assert event["message"].endswith(f"on {spare}"), event
+    output = finish(tmp_path, job_id)
+    assert "succeeded" in output, output
+    print(f"scancel -> node_replaced in {took:.1f}s")
+    restored = [e for e in events(tmp_path) if e["kind"] == "rendezvous_completed"]
+    assert restored[-1]["data"]["restore"] == "storage", restored[-1]
+    final = weights(tmp_path)
+    assert final.keys() == clean_weights.keys()
+    assert all(torch.equal(final[k], clean_weights[k]) for k in final)
+
+
+@pytest.fixture
+def resume_nodes(slurm_cluster):
+    """Nodes a test set down: resumed afterwards. Slurm SIGKILLs the step of a node it takes
+    down, so what its agent had in /dev/shm stays there until the node reboots; here, where
+    every node is this machine, a cleanup job removes it (as an operator would on a node
+    back in service)."""
+    downed: list[tuple[str, list[str]]] = []
+    yield downed
+    for node, _ in downed:
+        slurm("scontrol", "update", f"nodename={node}", "state=resume", check=False)
+    for node, leftovers in downed:
+        wait_for(
+            f"{node} back",
+            lambda n=node: slurm("sinfo", "-h", "-n", n, "-o", "%T").stdout.strip() == "idle",
+            timeout=30,
+        )
+        if leftovers:
+            cleanup = [sys.executable, "-m", "planaria_slurm.cleanup", *leftovers]
+            slurm("srun", "-N1", f"--nodelist={node}", "--oversubscribe", *cleanup)
+
+
+def test_a_node_set_down_is_replaced_and_excluded(tmp_path, clean_weights, resume_nodes):
+    job_id, agents = submit_and_pause(tmp_path)
+    victim = next(name for name in agents if name.endswith(".node-1"))
+    _, host = agents[victim]
+    batch_host = slurm("squeue", "-h", "-j", job_id, "-o", "%B").stdout.strip()
+    assert host != batch_host  # the master runs on the batch host: that one must live
+    leftovers: list[str] = []
+    resume_nodes.append((host, leftovers))
+    downed = time.monotonic()
+    slurm("scontrol", "update", f"nodename={host}", "state=down", "reason=planaria test")
+
+    def replaced() -> dict | None:
+        return next((e for e in events(tmp_path) if e["kind"] == "node_replaced"), None)
+
+    event = wait_for("the replacement", replaced)
+    took = time.monotonic() - downed
+    assert not event["message"].endswith(f"on {host}"), event
+    lost = [e["message"] for e in events(tmp_path) if f"Slurm node {host} is down" in e["message"]]
+    assert lost, "the node's loss names Slurm's state"
+    output = finish(tmp_path, job_id)
+    assert "succeeded" in output, output
+    print(f"state=down -> node_replaced in {took:.1f}s")
+    (run_dir,) = tmp_path.glob("planaria-runs/*")
+    leftovers += [run_dir.name, "node-1"]
+    bad = (tmp_path / ".planaria" / "slurm-bad-nodes").read_text()
+    assert bad.split()[0] == host, bad
+    # A later submission of the job keeps off the bad node.
+    dry = planaria(tmp_path, "submit", "--dry-run", str(tmp_path / "job.yaml"))
+    assert f"#SBATCH --exclude={host}\n" in dry.stdout, dry.stdout
+    final = weights(tmp_path)
+    assert all(torch.equal(final[k], clean_weights[k]) for k in final)
+
+
+def test_with_no_spare_left_the_job_is_requeued_without_the_bad_node(tmp_path, resume_nodes):
+    """2 nodes, no spare, requeue: a node set down cannot be replaced, so the batch job is
+    requeued without it; the new run resumes from the committed checkpoint (an absolute
+    storage path) and ends with the weights of a run without a fault. A chaos pause would
+    pause the requeued run too: the job is long enough instead (120 steps) for the fault to
+    land after its first checkpoint."""
+    longer = [
+        sys.executable,
+        str(EXAMPLE),
+        "--steps",
+        "120",
+        "--ckpt-every",
+        "4",
+        "--out",
+        "final.pt",
+    ]
+    clean_dir = tmp_path / "clean"
+    clean_dir.mkdir()
+    clean = planaria(clean_dir, "run", str(job(clean_dir, command=longer)))
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    where = tmp_path / "requeued"
+    where.mkdir()
+    options = {"requeue": True, "sbatch": ["--oversubscribe"]}
+    config = job(where, {"backend": "slurm", "options": options}, command=longer)
+    storage = {"storage": {"options": {"path": str(where / "ckpt")}}}
+    submitted = planaria(where, "submit", str(config), "--set", f"checkpoint={json.dumps(storage)}")
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    job_id = submitted.stdout.split()[-1]
+    wait_for("the job's start", lambda: job_state(job_id) == "RUNNING")
+    wait_for(
+        "a committed checkpoint",
+        lambda: any(e["kind"] == "checkpoint_committed" for e in events(where)),
+        every=0.05,
+    )
+    agents = steps(job_id)
+    victim = next(name for name in agents if name.endswith(".node-1"))
+    _, host = agents[victim]
+    leftovers: list[str] = []
+    resume_nodes.append((host, leftovers))
+    slurm("scontrol", "update", f"nodename={host}", "state=down", "reason=planaria test")
+    wait_for("a second run", lambda: len(list(where.glob("planaria-runs/*"))) == 2, timeout=90)
+    output = finish(where, job_id)
+    assert "succeeded" in output, output
+    first = sorted(where.glob("planaria-runs/*"))[0]
+    leftovers += [first.name, "node-1"]
+    shown = slurm("scontrol", "show", "job", job_id).stdout
+    assert "Restarts=1" in shown, shown
+    assert f"ExcNodeList={host}" in shown, shown
+    second = sorted(where.glob("planaria-runs/*"))[1]
+    timeline = [json.loads(x) for x in (second / "events.jsonl").read_text().splitlines()]
+    rounds = [e for e in timeline if e["kind"] == "rendezvous_completed"]
+    assert rounds[0]["data"]["restore"] == "storage", rounds[0]
+    final, reference = weights(where), weights(clean_dir)
+    assert all(torch.equal(final[k], reference[k]) for k in final)
