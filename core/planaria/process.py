@@ -343,3 +343,18 @@ def _wait_empty(groups: set[int], timeout: float, interval: float, sig: int | No
         if not left or time.monotonic() >= deadline:
             return left
         time.sleep(interval)
+
+
+def wait_readable(fds: Sequence[int], timeout: float) -> None:
+    """Sleep until one of ``fds`` (pidfds: readable once their process exits) is readable, at
+    most ``timeout`` seconds, rounded down to the millisecond so that a caller looping to a
+    deadline never waits past it."""
+    import select  # here, not at the top: the zygote loads this module with nothing imported
+
+    if not fds:
+        time.sleep(max(0.0, timeout))
+        return
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    poller.poll(max(0, int(timeout * 1000)))

@@ -42,6 +42,7 @@ _HOME = {
         "SchedulerRecord",
         "SubmitRequest",
         "SubmitResult",
+        "poll_events",
     ),
     "planaria.storage.api": ("CheckpointStorage", "CheckpointStorageRecord", "split_key"),
     "planaria.node_benchmark.api": (
@@ -102,6 +103,7 @@ __all__ = [
     "hookspec",
     "match",
     "normalize_name",
+    "poll_events",
     "split_key",
 ]
 
@@ -153,5 +155,6 @@ if TYPE_CHECKING:
         SchedulerRecord,
         SubmitRequest,
         SubmitResult,
+        poll_events,
     )
     from planaria.storage.api import CheckpointStorage, CheckpointStorageRecord, split_key

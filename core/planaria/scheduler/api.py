@@ -8,7 +8,9 @@ calls these methods from one thread; an implementation need not be thread-safe, 
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import ClassVar, Generic, TypeVar
@@ -146,6 +148,12 @@ class Scheduler(ABC, Generic[OptionsT]):
     def interrupted(self) -> bool:
         return self._interrupted.is_set()
 
+    def check_interrupted(self, what: str) -> None:
+        """Raise :class:`~planaria.errors.SchedulerError` saying ``what`` cannot be done
+        once :meth:`interrupt` was called."""
+        if self.interrupted:
+            raise SchedulerError(f"{what}: the job is stopping (the scheduler was interrupted)")
+
     @abstractmethod
     def launch(self, spec: LaunchSpec, count: int) -> list[NodeHandle]:
         """Ask for ``count`` nodes, each running ``spec.command``. Returns at once; nodes start
@@ -173,3 +181,20 @@ class Scheduler(ABC, Generic[OptionsT]):
 class SchedulerRecord(PluginRecord):
     kind: ClassVar[PluginKind] = PluginKind.SCHEDULER
     factory: type[Scheduler]  # type: ignore[type-arg]  # pydantic rejects type[X[Any]]
+
+
+def poll_events(
+    timeout: float, take: Callable[[], list[NodeEvent]], sleep: Callable[[float], None]
+) -> list[NodeEvent]:
+    """The body of a :meth:`Scheduler.poll`: ``take()`` (look at the nodes, return the events
+    seen) until it returns some, sleeping with ``sleep(remaining)`` in between, and never past
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + max(0.0, timeout)
+    while True:
+        events = take()
+        if events:
+            return events
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return []
+        sleep(remaining)

@@ -30,14 +30,11 @@ Only the agent gets the death signal; the agent arranges the same for the worker
 
 from __future__ import annotations
 
-import math
 import os
-import select
 import shutil
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +54,7 @@ from planaria.scheduler.api import (
     NodeState,
     Scheduler,
     SchedulerRecord,
+    poll_events,
 )
 from planaria.shm import node_dir, remove_dir
 
@@ -234,7 +232,7 @@ class LocalScheduler(Scheduler[LocalOptions]):
         self._check_command(spec)
         if count == 0:
             return []
-        self._check_interrupted("cannot launch nodes")
+        self.check_interrupted("cannot launch nodes")
         self._check_room(count)
         self._check_placeable(self._excluded, "cannot launch nodes")
         started: list[_Node] = []
@@ -242,7 +240,7 @@ class LocalScheduler(Scheduler[LocalOptions]):
         first = self._next_number
         try:
             for done in range(count):
-                self._check_interrupted(f"launching stopped after {done} of {count} nodes")
+                self.check_interrupted(f"launching stopped after {done} of {count} nodes")
                 node_id = self._new_id()
                 if self._has_slot():
                     node = self._start(spec, self._choose_host(self._excluded, node_id), node_id)
@@ -263,17 +261,13 @@ class LocalScheduler(Scheduler[LocalOptions]):
     def poll(self, timeout: float) -> list[NodeEvent]:
         """State changes since the last call, in the order seen; waits at most ``timeout``
         seconds for the first. A node's exit is seen at once (through a pidfd)."""
-        deadline = time.monotonic() + max(0.0, timeout)
-        while True:
-            self._reap()
-            self._start_queued()
-            if self._events:
-                events, self._events = self._events, []
-                return events
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return []
-            self._wait(remaining)
+        return poll_events(timeout, self._take, self._wait)
+
+    def _take(self) -> list[NodeEvent]:
+        self._reap()
+        self._start_queued()
+        events, self._events = self._events, []
+        return events
 
     def replace(self, node_id: str, *, exclude_host: bool) -> NodeHandle:
         """Stop ``node_id`` (gracefully, within ``stop_grace``) if it still runs and start a
@@ -281,7 +275,7 @@ class LocalScheduler(Scheduler[LocalOptions]):
         excluded from now on. Raises :class:`SchedulerError`, changing nothing, when no host is
         left to place the new node on, or after :meth:`interrupt`."""
         self._check_thread()
-        self._check_interrupted(f"cannot replace {node_id}")
+        self.check_interrupted(f"cannot replace {node_id}")
         if node_id in self._queue:  # never started: the new node simply takes its place
             spec, _ = self._queue.pop(node_id)
             new_id = self._new_id()
@@ -380,10 +374,6 @@ class LocalScheduler(Scheduler[LocalOptions]):
                 f"cannot launch nodes: {spec.command[0]!r} is not an executable file"
                 + ("" if os.sep in spec.command[0] else " found on PATH")
             )
-
-    def _check_interrupted(self, what: str) -> None:
-        if self.interrupted:
-            raise SchedulerError(f"{what}: the job is stopping (the scheduler was interrupted)")
 
     def _check_room(self, count: int) -> None:
         """The job's size was checked when its config loaded; this holds for every caller."""
@@ -497,14 +487,7 @@ class LocalScheduler(Scheduler[LocalOptions]):
         fds = [n.pidfd for n in live if n.pidfd is not None]
         if len(fds) < len(live):
             remaining = min(remaining, _POLL_INTERVAL)
-        if not fds:
-            time.sleep(remaining)
-            return
-        poller = select.poll()
-        for fd in fds:
-            poller.register(fd, select.POLLIN)
-        # Rounded down, so that poll never waits past its deadline (it loops for the rest).
-        poller.poll(math.floor(remaining * 1000))
+        process.wait_readable(fds, remaining)
 
     def _terminate(self, nodes: list[_Node], grace: float) -> None:
         """SIGTERM the groups, SIGKILL them after ``grace``, wait until no process of the groups

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -45,6 +44,7 @@ from planaria.plugin import (
     SchedulerError,
     SubmitRequest,
     SubmitResult,
+    poll_events,
 )
 from planaria.protocol import HOST_ENV, NODE_ID_ENV
 from planaria_slurm import commands, state, submit
@@ -182,7 +182,7 @@ class SlurmScheduler(Scheduler[SlurmOptions]):
             raise SchedulerError("cannot launch nodes: the launch command is empty")
         if count == 0:
             return []
-        self._check_interrupted("cannot launch nodes")
+        self.check_interrupted("cannot launch nodes")
         self._attach()
         free = self._free_hosts(set())
         if len(free) < count:
@@ -190,7 +190,7 @@ class SlurmScheduler(Scheduler[SlurmOptions]):
         started: list[_Step] = []
         try:
             for done, host in enumerate(free[:count]):
-                self._check_interrupted(f"launching stopped after {done} of {count} nodes")
+                self.check_interrupted(f"launching stopped after {done} of {count} nodes")
                 started.append(self._start(spec, host, self._new_id()))
         except BaseException:
             self._terminate(started, grace=0.0)
@@ -203,17 +203,13 @@ class SlurmScheduler(Scheduler[SlurmOptions]):
         """State changes since the last call; waits at most ``timeout`` seconds for the
         first. A step's end is seen at once (its srun exits); a node Slurm reports bad within
         ``watch_interval``."""
-        deadline = time.monotonic() + max(0.0, timeout)
-        while True:
-            self._reap()
-            self._observe()
-            if self._events:
-                events, self._events = self._events, []
-                return events
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return []
-            self._wait(remaining)
+        return poll_events(timeout, self._take, self._wait)
+
+    def _take(self) -> list[NodeEvent]:
+        self._reap()
+        self._observe()
+        events, self._events = self._events, []
+        return events
 
     def replace(self, node_id: str, *, exclude_host: bool) -> NodeHandle:
         """Stop ``node_id`` and start a node on a free spare (or, when none is free and the
@@ -221,7 +217,7 @@ class SlurmScheduler(Scheduler[SlurmOptions]):
         one asked to be. No node to go to: :class:`SchedulerError`, after requeueing the batch
         job with the bad nodes excluded when the ``requeue`` option is on."""
         self._check_thread()
-        self._check_interrupted(f"cannot replace {node_id}")
+        self.check_interrupted(f"cannot replace {node_id}")
         old = self._get(node_id)
         if old.released:
             raise SchedulerError(f"cannot replace {node_id}: it was already stopped or replaced")
@@ -406,10 +402,6 @@ class SlurmScheduler(Scheduler[SlurmOptions]):
                 f"with it): called from {current.name!r}, but {self._owner.name!r} started them"
             )
 
-    def _check_interrupted(self, what: str) -> None:
-        if self.interrupted:
-            raise SchedulerError(f"{what}: the job is stopping (the scheduler was interrupted)")
-
     def _new_id(self) -> str:
         node_id = f"node-{self._next_number}"
         self._next_number += 1
@@ -536,13 +528,9 @@ class SlurmScheduler(Scheduler[SlurmOptions]):
         fds = [s.pidfd for s in live if s.pidfd is not None]
         if len(fds) < len(live):
             remaining = min(remaining, 0.01)
-        poller = select.poll()
-        for fd in fds:
-            poller.register(fd, select.POLLIN)
         if self._watcher is not None:
-            poller.register(self._watcher.wake_fd, select.POLLIN)
-        # Rounded down, so that poll never waits past its deadline (it loops for the rest).
-        poller.poll(math.floor(remaining * 1000))
+            fds.append(self._watcher.wake_fd)
+        process.wait_readable(fds, remaining)
 
     def _release(self, steps: Iterable[_Step]) -> None:
         ids = set()
