@@ -40,6 +40,7 @@ import recovery as common
 CLUSTER = common.ROOT / "plugins" / "slurm" / "tests" / "cluster.sh"
 NODES = 4
 SBATCH_NODES = 3  # 2 for the job, 1 spare
+HANG = "\ntimed out (hang)"
 TORCHRUN_NODE_LOSS = "SIGKILL of node 2's torchrun agent and its workers (not scancel)"
 
 
@@ -137,13 +138,19 @@ def launch(
                     os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     timed_out = time.monotonic() >= deadline and proc.returncode != 0
-    output = log.read_text(errors="replace") + ("\n(timed out: hang)" if timed_out else "")
-    return proc.returncode == 0, output, struck
+    output = log.read_text(errors="replace")
+    return proc.returncode == 0, output + (HANG if timed_out else ""), struck
 
 
 def last_step(text: str) -> int:
     steps = [int(m["step"]) for line in text.splitlines() if (m := common.STEP.match(line))]
     return steps[-1] if steps else -1
+
+
+def _note(ok: bool, output: str) -> str:
+    if ok:
+        return ""
+    return HANG.strip() if output.endswith(HANG) else common._last_error(output)
 
 
 def measure(rank0: str, struck: float | None, ok: bool, wall: float, note: str) -> common.Trial:
@@ -208,7 +215,7 @@ def run_planaria(args: argparse.Namespace, work: Path, node_loss: bool) -> commo
             args.timeout, cancel_node if node_loss else None,
         )  # fmt: skip
         wall = time.time() - started
-    note = "" if ok else common._last_error(output)
+    note = _note(ok, output)
     if not node_loss:
         killed = next(work.glob("planaria-runs/*/logs/rank-1.log"), None)
         kill = common.KILL.search(killed.read_text(errors="replace")) if killed else None
@@ -223,7 +230,8 @@ def _free_port() -> int:
 
 
 def _first_node_addr(job_id: str) -> str:
-    nodes = slurm("scontrol", "show", "hostnames", slurm("squeue", "-h", "-j", job_id, "-o", "%N"))
+    listed = slurm("squeue", "-h", "-j", job_id, "-o", "%N").strip()
+    nodes = slurm("scontrol", "show", "hostnames", listed)
     shown = slurm("scontrol", "show", "node", nodes.split()[0])
     found = re.search(r"NodeAddr=(\S+)", shown)
     return found[1] if found else nodes.split()[0]
@@ -236,9 +244,10 @@ def _environ(pid: str) -> list[bytes]:
         return []
 
 
-def kill_torchrun_node(job_id: str, node_id: int) -> bool:
+def kill_torchrun_node(job_id: str, node_id: int, held: set[Path]) -> bool:
     """SIGKILL the torchrun agent that Slurm runs as node ``node_id``'s task of the job, and
-    its workers. Every node of this cluster is this machine, so /proc holds them all."""
+        its workers. Every node of this cluster is this machine, so /proc holds them all; the shared
+    memory they held goes into ``held``."""
     marks = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_NODEID={node_id}".encode()}
     table = subprocess.run(["ps", "-e", "-o", "pid=,ppid=,args="], capture_output=True, text=True)
     children: dict[str, list[str]] = {}
@@ -255,9 +264,28 @@ def kill_torchrun_node(job_id: str, node_id: int) -> bool:
         doomed.append(pid)
         todo += children.get(pid, [])
     for pid in doomed:
+        held.update(_shm_of(pid))
         with contextlib.suppress(ProcessLookupError):
             os.kill(int(pid), signal.SIGKILL)
     return bool(agents)
+
+
+def _shm_of(pid: str) -> set[Path]:
+    """The /dev/shm/planaria-* directories a process maps or holds open: a node that dies takes
+    them with it, a process killed here leaves them, so the benchmark removes them."""
+    found: set[Path] = set()
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            found |= {Path(w) for w in line.split() if w.startswith("/dev/shm/planaria-")}
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                found.add(Path(os.readlink(fd)))
+    return {
+        Path("/dev/shm", p.relative_to("/dev/shm").parts[0])
+        for p in found
+        if str(p).startswith("/dev/shm/planaria-")
+    }
 
 
 def run_torchrun(
@@ -279,20 +307,23 @@ def run_torchrun(
             *common.train_args(args, work / "ckpt"),
         ]  # fmt: skip
         log = work / "launcher.log"
+        held: set[Path] = set()
 
         def kill_node() -> float | None:
             text = log.read_text(errors="replace") if log.exists() else ""
             if last_step(text) < args.kill_at:
                 return None
             struck = time.time()
-            return struck if kill_torchrun_node(job_id, 1) else None
+            return struck if kill_torchrun_node(job_id, 1, held) else None
 
         started = time.time()
         ok, output, struck = launch(
             command, work, env, args.timeout, kill_node if node_loss else None
         )
         wall = time.time() - started
-    note = "" if ok else common._last_error(output)
+    for path in held:
+        shutil.rmtree(path, ignore_errors=True)
+    note = _note(ok, output)
     if not node_loss:
         kill = common.KILL.search(output)
         struck = float(kill["t"]) if kill else None
