@@ -17,6 +17,9 @@ its state to memory every step, against the same run without a checkpoint.
 
 Run:  python benchmarks/recovery.py [--trials 3] [--steps 60] [--kill-at 30]
 The last line printed is one JSON object with the figures.
+
+``--scheduler slurm`` measures on a real Slurm cluster instead, a worker kill and a node loss
+(benchmarks/recovery_slurm.py says how).
 """
 
 from __future__ import annotations
@@ -260,8 +263,22 @@ def main() -> None:
         default="--d-model 256 --layers 4 --heads 8 --seq 64 --batch 8",
         help="train_gpt.py model arguments for the step-time overhead (one process)",
     )
+    parser.add_argument(
+        "--scheduler",
+        choices=("local", "slurm"),
+        default="local",
+        help="slurm: planaria run inside an allocation against srun torchrun (recovery_slurm.py)",
+    )
+    parser.add_argument(
+        "--procs-per-node", type=int, default=1, help="workers per node (--scheduler slurm)"
+    )
     args = parser.parse_args()
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    if args.scheduler == "slurm":
+        import recovery_slurm  # here: only this variant needs Slurm
+
+        recovery_slurm.main(args)
+        return
 
     runners = {
         "planaria run": lambda work: run_planaria(args, work),

@@ -1,0 +1,395 @@
+"""``recovery.py --scheduler slurm``: the same measure on a real Slurm cluster, two faults.
+
+The cluster is the one-machine one of the Slurm plugin's tests (``cluster.sh start 4``; left
+alone when one is already running in ``PLANARIA_SLURM_DIR``, stopped at the end otherwise).
+Each run gets an allocation of its own (3 nodes, ``--no-kill --oversubscribe``) that is
+cancelled after it, so a hung baseline leaves no step behind.
+
+- ``planaria run`` with ``scheduler.backend: slurm`` uses 2 of the 3 nodes, the third is the
+  spare. Worker kill: ``PLANARIA_CHAOS`` kills rank 1 at ``--kill-at``. Node loss: once rank 0
+  logged step ``--kill-at``, ``scancel J.S`` of the agent step of node-1 (the node without
+  rank 0).
+- baseline: ``srun --jobid J -N2 --ntasks-per-node=1 --overlap torchrun --nnodes=2 ...``, one
+  step holding both torchrun agents, the way Slurm users run it. Worker kill: the same chaos
+  rule. Node loss: one task of a step cannot be cancelled on its own, so the second node's
+  torchrun agent and its workers are SIGKILLed (found through /proc), which is what a node that
+  dies does to them.
+
+MTTR: from the fault to the first step rank 0 logs after it resumed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import recovery as common
+
+CLUSTER = common.ROOT / "plugins" / "slurm" / "tests" / "cluster.sh"
+NODES = 4
+SBATCH_NODES = 3  # 2 for the job, 1 spare
+HANG = "\ntimed out (hang)"
+TORCHRUN_NODE_LOSS = "SIGKILL of node 2's torchrun agent and its workers (not scancel)"
+
+
+def slurm(*args: str, check: bool = True) -> str:
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    if check and proc.returncode:
+        raise RuntimeError(f"{' '.join(args)} failed: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def _alive(pidfile: Path) -> bool:
+    try:
+        pid = int(pidfile.read_text().strip())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def cluster() -> Iterator[None]:
+    """A running cluster with its client environment in os.environ; stopped at the end only
+    when it was started here."""
+    where = Path(os.environ.get("PLANARIA_SLURM_DIR", "/tmp/planaria-slurm"))
+    mine = not _alive(where / "run" / "slurmctld.pid")
+    if mine and (shutil.which("slurmctld") is None or shutil.which("srun") is None):
+        subprocess.run([str(CLUSTER), "install"], check=True)
+    try:
+        if mine:
+            print(f"starting a {NODES}-node Slurm cluster in {where}", flush=True)
+        command = [str(CLUSTER), "start", str(NODES)] if mine else [str(CLUSTER), "env"]
+        out = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        if out.returncode:
+            raise RuntimeError(f"cluster.sh {command[1]} failed:\n{out.stderr}")
+        for line in out.stdout.splitlines():
+            if line.startswith("export "):
+                name, _, value = line[len("export ") :].partition("=")
+                os.environ[name] = value
+        yield
+    finally:
+        if mine:
+            subprocess.run([str(CLUSTER), "stop"], capture_output=True, text=True, timeout=120)
+
+
+def job_state(job_id: str) -> str:
+    return slurm("squeue", "-h", "-j", job_id, "-o", "%T", check=False).strip()
+
+
+@contextlib.contextmanager
+def allocation(work: Path) -> Iterator[str]:
+    job_id = slurm(
+        "sbatch", "--parsable", f"-N{SBATCH_NODES}", "--oversubscribe", "--no-kill",
+        f"--chdir={work}", "--output=/dev/null", "--job-name=planaria-bench",
+        "--wrap", "exec sleep infinity",
+    ).strip()  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while job_state(job_id) != "RUNNING":
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Slurm job {job_id} did not start within 60 s")
+            time.sleep(0.2)
+        yield job_id
+    finally:
+        slurm("scancel", job_id, check=False)
+        deadline = time.monotonic() + 60
+        while job_state(job_id) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+def launch(
+    command: list[str],
+    work: Path,
+    env: dict[str, str],
+    timeout: float,
+    fault: Callable[[], float | None] | None = None,
+) -> tuple[bool, str, float | None]:
+    """Run ``command`` in a session of its own, output to a file; ``fault`` is called every
+    20 ms until it returns the time it struck. Returns (exit 0, output, fault time)."""
+    log = work / "launcher.log"
+    struck: float | None = None
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            command, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        try:
+            while proc.poll() is None and time.monotonic() < deadline:
+                if fault is not None and struck is None:
+                    struck = fault()
+                time.sleep(0.02)
+        finally:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    timed_out = time.monotonic() >= deadline and proc.returncode != 0
+    output = log.read_text(errors="replace")
+    return proc.returncode == 0, output + (HANG if timed_out else ""), struck
+
+
+def last_step(text: str) -> int:
+    steps = [int(m["step"]) for line in text.splitlines() if (m := common.STEP.match(line))]
+    return steps[-1] if steps else -1
+
+
+def _note(ok: bool, output: str) -> str:
+    if ok:
+        return ""
+    return HANG.strip() if output.endswith(HANG) else common._last_error(output)
+
+
+def measure(rank0: str, struck: float | None, ok: bool, wall: float, note: str) -> common.Trial:
+    """MTTR from ``struck`` to rank 0's first step after it resumed; steps lost: the steps
+    rank 0 had done by then that it did again."""
+    if struck is None:
+        return common.Trial(False, wall=wall, note=note or "the fault never struck")
+    before = [
+        int(m["step"])
+        for line in rank0.splitlines()
+        if (m := common.STEP.match(line.strip())) and float(m["t"]) <= struck
+    ]
+    done = before[-1] if before else 0
+    resumed = False
+    for line in rank0.splitlines():
+        line = line.strip()
+        if common.RESUMED.match(line):
+            resumed = True
+        elif (m := common.STEP.match(line)) and resumed and float(m["t"]) > struck:
+            first = int(m["step"])
+            return common.Trial(True, float(m["t"]) - struck, max(0, done - first + 1), wall)
+    return common.Trial(False, wall=wall, note=note or "no step after the fault")
+
+
+def run_planaria(args: argparse.Namespace, work: Path, node_loss: bool) -> common.Trial:
+    with allocation(work) as job_id:
+        config: dict[str, object] = {
+            "job": {
+                "name": "bench",
+                "command": [sys.executable, *common.train_args(args, work / "ckpt")],
+                "nodes": 2,
+                "procs_per_node": args.procs_per_node,
+                "max_restarts": 3,
+            },
+            "scheduler": {"backend": "slurm", "options": {"job_id": job_id}},
+            "diagnosis": {"checks": []},
+        }
+        if not node_loss:
+            config["chaos"] = [{"kind": "kill_worker", "rank": 1, "at_step": args.kill_at}]
+        (work / "job.yaml").write_text(json.dumps(config))
+
+        def rank0() -> str:
+            found = next(work.glob("planaria-runs/*/logs/rank-0.log"), None)
+            return found.read_text(errors="replace") if found else ""
+
+        def cancel_node() -> float | None:
+            if last_step(rank0()) < args.kill_at:
+                return None
+            out = slurm("squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j|%N", check=False)
+            steps = [line.split("|") for line in out.splitlines() if line.count("|") == 2]
+            victim = next((s for s, name, _ in steps if name.endswith(".node-1")), None)
+            if victim is None:
+                return None
+            struck = time.time()
+            slurm("scancel", victim)
+            return struck
+
+        planaria = str(Path(sys.executable).parent / "planaria")
+        started = time.time()
+        ok, output, struck = launch(
+            [planaria, "run", str(work / "job.yaml")], work, dict(os.environ),
+            args.timeout, cancel_node if node_loss else None,
+        )  # fmt: skip
+        wall = time.time() - started
+    note = _note(ok, output)
+    if not node_loss:
+        killed = next(work.glob("planaria-runs/*/logs/rank-1.log"), None)
+        kill = common.KILL.search(killed.read_text(errors="replace")) if killed else None
+        struck = float(kill["t"]) if kill else None
+    return measure(rank0(), struck, ok, wall, note)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def _first_node_addr(job_id: str) -> str:
+    listed = slurm("squeue", "-h", "-j", job_id, "-o", "%N").strip()
+    nodes = slurm("scontrol", "show", "hostnames", listed)
+    shown = slurm("scontrol", "show", "node", nodes.split()[0])
+    found = re.search(r"NodeAddr=(\S+)", shown)
+    return found[1] if found else nodes.split()[0]
+
+
+def _environ(pid: str) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
+def kill_torchrun_node(job_id: str, node_id: int, held: set[Path]) -> bool:
+    """SIGKILL the torchrun agent that Slurm runs as node ``node_id``'s task of the job, and
+        its workers. Every node of this cluster is this machine, so /proc holds them all; the shared
+    memory they held goes into ``held``."""
+    marks = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_NODEID={node_id}".encode()}
+    table = subprocess.run(["ps", "-e", "-o", "pid=,ppid=,args="], capture_output=True, text=True)
+    children: dict[str, list[str]] = {}
+    agents = []
+    for line in table.stdout.splitlines():
+        pid, ppid, cmd = [*line.split(None, 2), ""][:3]
+        children.setdefault(ppid, []).append(pid)
+        if "torchrun" in cmd and not cmd.startswith("srun") and marks <= set(_environ(pid)):
+            agents.append(pid)
+    agents = [a for a in agents if not any(a in children.get(b, []) for b in agents)]
+    doomed, todo = [], list(agents)
+    while todo:
+        pid = todo.pop()
+        doomed.append(pid)
+        todo += children.get(pid, [])
+    for pid in doomed:
+        held.update(_shm_of(pid))
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+    return bool(agents)
+
+
+def _shm_of(pid: str) -> set[Path]:
+    """The /dev/shm/planaria-* directories a process maps or holds open: a node that dies takes
+    them with it, a process killed here leaves them, so the benchmark removes them."""
+    found: set[Path] = set()
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            found |= {Path(w) for w in line.split() if w.startswith("/dev/shm/planaria-")}
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                found.add(Path(os.readlink(fd)))
+    return {
+        Path("/dev/shm", p.relative_to("/dev/shm").parts[0])
+        for p in found
+        if str(p).startswith("/dev/shm/planaria-")
+    }
+
+
+def run_torchrun(
+    args: argparse.Namespace, work: Path, workaround: bool, node_loss: bool
+) -> common.Trial:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PLANARIA_PROGRESS_FILE", None)
+    if not node_loss:
+        env["PLANARIA_CHAOS"] = common.chaos(args)
+    if workaround:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    with allocation(work) as job_id:
+        endpoint = f"{_first_node_addr(job_id)}:{_free_port()}"
+        command = [
+            "srun", f"--jobid={job_id}", "-N2", "--ntasks-per-node=1", "--overlap",
+            str(Path(sys.executable).parent / "torchrun"),
+            "--nnodes=2", f"--nproc-per-node={args.procs_per_node}", "--max-restarts", "3",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", f"bench-{job_id}",
+            *common.train_args(args, work / "ckpt"),
+        ]  # fmt: skip
+        log = work / "launcher.log"
+        held: set[Path] = set()
+
+        def kill_node() -> float | None:
+            text = log.read_text(errors="replace") if log.exists() else ""
+            if last_step(text) < args.kill_at:
+                return None
+            struck = time.time()
+            return struck if kill_torchrun_node(job_id, 1, held) else None
+
+        started = time.time()
+        ok, output, struck = launch(
+            command, work, env, args.timeout, kill_node if node_loss else None
+        )
+        wall = time.time() - started
+    for path in held:
+        shutil.rmtree(path, ignore_errors=True)
+    note = _note(ok, output)
+    if not node_loss:
+        kill = common.KILL.search(output)
+        struck = float(kill["t"]) if kill else None
+    return measure(output, struck, ok, wall, note)
+
+
+def _ratio(a: object, b: object) -> float | None:
+    return a / b if isinstance(a, float) and isinstance(b, float) and b else None
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(args: argparse.Namespace) -> None:
+    runners: dict[str, Callable[[Path], common.Trial]] = {
+        "kill: planaria run": lambda w: run_planaria(args, w, node_loss=False),
+        "kill: torchrun (defaults)": lambda w: run_torchrun(args, w, False, node_loss=False),
+        "kill: torchrun (workaround)": lambda w: run_torchrun(args, w, True, node_loss=False),
+        "node: planaria run": lambda w: run_planaria(args, w, node_loss=True),
+        "node: torchrun (workaround)": lambda w: run_torchrun(args, w, True, node_loss=True),
+    }
+    trials: dict[str, list[common.Trial]] = {name: [] for name in runners}
+    signal.signal(signal.SIGTERM, _interrupted)  # so that the cluster is stopped all the same
+    with cluster():
+        for trial in range(args.trials):
+            for name, runner in runners.items():  # interleaved, as for the local scheduler
+                work = Path(tempfile.mkdtemp(prefix="planaria-bench-"))
+                try:
+                    result = runner(work)
+                finally:
+                    shutil.rmtree(work, ignore_errors=True)
+                trials[name].append(result)
+                shown = f"{result.mttr:.2f}s" if result.ok and result.mttr is not None else "failed"
+                print(
+                    f"trial {trial + 1}: {name:<28} MTTR {shown}  (wall {result.wall:.1f}s)",
+                    flush=True,
+                )
+    print()
+    figures = {name: common.summarise(name, found) for name, found in trials.items()}
+    print(f"node loss, torchrun: {TORCHRUN_NODE_LOSS}; planaria: scancel of the node's step")
+    print()
+    print(f"{'fault':<12} {'planaria run':>14} {'torchrun':>14} {'ratio':>8}")
+    result: dict[str, object] = {"scheduler": "slurm", "trials": args.trials}
+    for fault, key in (("worker kill", "kill"), ("node loss", "node")):
+        mine = figures[f"{key}: planaria run"]
+        theirs = figures[f"{key}: torchrun (workaround)"]
+        ratio = _ratio(mine["mttr"], theirs["mttr"])
+
+        def shown(value: object) -> str:
+            return f"{value:.2f}s" if isinstance(value, float) else "failed"
+
+        print(
+            f"{fault:<12} {shown(mine['mttr']):>14} {shown(theirs['mttr']):>14} "
+            f"{'-' if ratio is None else f'{ratio:.2f}':>8}"
+        )
+        prefix = "worker_kill" if key == "kill" else "node_loss"
+        result |= {
+            f"{prefix}_planaria_mttr_s": mine["mttr"],
+            f"{prefix}_torchrun_mttr_s": theirs["mttr"],
+            f"{prefix}_ratio": ratio,
+            f"{prefix}_steps_lost": mine["steps_lost"],
+            f"{prefix}_planaria_failed": mine["failed"],
+            f"{prefix}_torchrun_failed": theirs["failed"],
+        }
+    result["worker_kill_torchrun_default_mttr_s"] = figures["kill: torchrun (defaults)"]["mttr"]
+    result["worker_kill_torchrun_default_failed"] = figures["kill: torchrun (defaults)"]["failed"]
+    result["node_loss_torchrun_fault"] = TORCHRUN_NODE_LOSS
+    print(json.dumps(result))
