@@ -116,8 +116,10 @@ def test_unknown_name_lists_installed_ones_and_the_package_to_install(plugin_pat
     with pytest.raises(PluginNotFoundError, match="pip install planaria-fsspec"):
         manager.resolve(PluginKind.CHECKPOINT_STORAGE, "fsspec")
     with pytest.raises(PluginNotFoundError) as exc:  # no such distribution: nothing to install
-        manager.resolve(PluginKind.SCHEDULER, "slurm")
+        manager.resolve(PluginKind.SCHEDULER, "ray")
     assert "pip install" not in str(exc.value) and "Choose one of: local" in str(exc.value)
+    with pytest.raises(PluginNotFoundError, match="pip install planaria-slurm"):
+        manager.resolve(PluginKind.SCHEDULER, "slurm")
     if "nvidia" not in {ep.name for ep in entry_points(group="planaria")}:
         with pytest.raises(PluginNotFoundError, match="pip install planaria-nvidia"):
             manager.resolve(PluginKind.HEALTH_CHECK, "NVIDIA")

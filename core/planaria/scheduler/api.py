@@ -180,6 +180,7 @@ class Scheduler(ABC, Generic[OptionsT]):
 
 class SchedulerRecord(PluginRecord):
     kind: ClassVar[PluginKind] = PluginKind.SCHEDULER
+    well_known: ClassVar[dict[str, str]] = {"slurm": "planaria-slurm"}
     factory: type[Scheduler]  # type: ignore[type-arg]  # pydantic rejects type[X[Any]]
 
 
