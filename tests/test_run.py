@@ -158,6 +158,13 @@ def test_faults_are_recovered_and_the_weights_are_bitwise_those_of_a_clean_run(t
     assert step in committed and rounds[1]["data"]["persist_step"] == step
     # The node kill: the replacement holds nothing in memory, so that round used storage.
     assert rounds[-1]["data"]["restore"] == "storage"
+    # ... and the lost node's rounds are fenced out of the storage: the round without it
+    # and every later one may commit, no earlier one.
+    (fence,) = faulty_dir.glob("planaria-runs/*/**/fence")
+    generation = json.loads(fence.read_text())["generation"]
+    assert generation == rounds[-1]["data"]["round"]
+    manifests = [json.loads(m.read_text()) for m in fence.parent.glob("step-*/manifest.json")]
+    assert manifests and all(m["generation"] >= generation for m in manifests)
 
     (clean_out,) = clean_dir.glob("**/final.pt")
     (faulty_out,) = faulty_dir.glob("**/final.pt")

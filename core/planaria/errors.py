@@ -89,6 +89,10 @@ class StorageError(PlanariaError):
     """A checkpoint storage operation failed."""
 
 
+class FencedError(StorageError):
+    """A commit refused: its round was fenced out by the master (its node was declared lost)."""
+
+
 class CheckpointCorruptError(StorageError):
     """A checkpoint failed verification (manifest, size or checksum) and must not be loaded."""
 

@@ -53,6 +53,10 @@ class EventKind(str, Enum):
     STARTED_FROM_SCRATCH = "started_from_scratch"
     PERSISTER_RESTARTED = "persister_restarted"
     MASTER_STALLED = "master_stalled"
+    MASTER_ISOLATED = "master_isolated"
+    MASTER_RESUMED = "master_resumed"
+    NODE_REATTACHED = "node_reattached"
+    NODE_FENCED = "node_fenced"
 
 
 class StopCause(str, Enum):
@@ -123,6 +127,42 @@ class MasterStalled(Payload):
 
     KIND = EventKind.MASTER_STALLED
     seconds: float
+
+
+class MasterIsolated(Payload):
+    """No node was heard for the heartbeat timeout: the master may be the one cut off, so it
+    waits for ``master.grace`` before calling them lost."""
+
+    KIND = EventKind.MASTER_ISOLATED
+    nodes: int
+    grace: float
+
+
+class MasterResumed(Payload):
+    """A master restarted on the run directory took the job over from its journal."""
+
+    KIND = EventKind.MASTER_RESUMED
+    round: int
+    nodes: list[str]
+    """The nodes it expects to re-attach."""
+    down_s: float | None
+    """From the last journal write of the master before to this one's start."""
+
+
+class NodeReattached(Payload):
+    """A node's agent re-attached to a restarted master with the round it runs."""
+
+    KIND = EventKind.NODE_REATTACHED
+    round: int | None
+    restarted: bool
+    """Its workers must restart: the job went on to a newer round meanwhile."""
+
+
+class NodeFenced(Payload):
+    """A node the master had declared lost reached it again and was told to stop."""
+
+    KIND = EventKind.NODE_FENCED
+    request: str
 
 
 # -- diagnosis ----------------------------------------------------------------------------

@@ -51,6 +51,9 @@ class JobSpec(Message):
     max_restarts: int
     heartbeat_interval: float
     heartbeat_timeout: float
+    master_grace: float = 60.0
+    """How long an agent that lost the master keeps its workers training, trying to reach it
+    again (a restarted master takes the job over), before it stops them."""
     stop_grace: float
     preload: list[str]
     chaos: list[ChaosRule] = Field(default_factory=list)
@@ -77,6 +80,28 @@ class MemoryHolding(Message):
     rank: int
     world: int
     steps: list[int]
+
+
+class ReattachRequest(Message):
+    """An agent meets a restarted master: who it is and what it runs, so that the master
+    goes on with the same round instead of restarting its workers."""
+
+    node_id: str
+    host: str
+    addr: str
+    pid: int
+    round: int | None = None
+    """The round this node's workers run (None: it is not in a running round)."""
+    node_rank: int | None = None
+    last_step: int = -1
+    memory: list[MemoryHolding] = Field(default_factory=list)
+
+
+class ReattachReply(Message):
+    """``continue``: carry on (an action, if one is due, comes with the next heartbeat)."""
+
+    state: Literal["continue"]
+    reason: str = ""
 
 
 class RendezvousInfo(Message):

@@ -28,6 +28,7 @@ from typing import Any
 from planaria import process
 from planaria.checkpoint import persister
 from planaria.checkpoint.env import (
+    GENERATION_ENV,
     KEEP_LAST_ENV,
     PERSIST_EVERY_ENV,
     REQUIRE_RESTORE_ENV,
@@ -70,8 +71,9 @@ class NodeCheckpoints:
     def segment(self, local_rank: int) -> Path:
         return self.directory / f"ckpt-{local_rank}"
 
-    def worker_env(self, local_rank: int, restore: str) -> dict[str, str]:
+    def worker_env(self, local_rank: int, restore: str, generation: int) -> dict[str, str]:
         return {
+            GENERATION_ENV: str(generation),
             SOCKET_ENV: str(self.socket_path),
             SEGMENT_ENV: str(self.segment(local_rank)),
             RESTORE_ENV: restore,
@@ -228,12 +230,16 @@ class NodeCheckpoints:
                 )
         return held
 
-    async def persist(self, step: int, local_ranks: list[int], timeout: float) -> list[str]:
+    async def persist(
+        self, step: int, local_ranks: list[int], timeout: float, generation: int
+    ) -> list[str]:
         """Have the persister pin ``step`` in these ranks' memory (so restarted workers cannot
         overwrite it) and write it in the background; returns the errors of pinning."""
-        return await asyncio.to_thread(self._persist, step, local_ranks, timeout)
+        return await asyncio.to_thread(self._persist, step, local_ranks, timeout, generation)
 
-    def _persist(self, step: int, local_ranks: list[int], timeout: float) -> list[str]:
+    def _persist(
+        self, step: int, local_ranks: list[int], timeout: float, generation: int
+    ) -> list[str]:
         # Pin every rank's copy first; the persister of rank 0 commits once every shard is in.
         errors: list[str] = []
         pinned: list[tuple[int, socket.socket, Any]] = []
@@ -243,9 +249,12 @@ class NodeCheckpoints:
             try:
                 sock.settimeout(timeout)
                 sock.connect(str(self.socket_path))
-                persister.ask(
-                    sock, reader, {"op": "hello", "segment": str(self.segment(local_rank))}, "ready"
-                )
+                hello = {
+                    "op": "hello",
+                    "segment": str(self.segment(local_rank)),
+                    "generation": generation,
+                }
+                persister.ask(sock, reader, hello, "ready")
                 persister.ask(sock, reader, {"op": "persist", "step": step}, "pinned")
             except (OSError, ValueError) as exc:
                 errors.append(f"local rank {local_rank}: {exc}")

@@ -1,27 +1,39 @@
-"""The agent's side of the master API: typed requests, retries while the master is briefly
-unreachable, and a clear error once it has been gone for longer than the heartbeat timeout."""
+"""The agent's side of the master API: typed requests, retries while the master is
+unreachable, re-attaching to a restarted master, and a clear error once the master has been
+gone for longer than the grace."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import aiohttp
 from pydantic import BaseModel
 
 from planaria.errors import PlanariaError
+from planaria.log import get_logger
 from planaria.protocol import API_PREFIX
 
 R = TypeVar("R", bound=BaseModel)
 
+log = get_logger("agent")
+
+MAX_DELAY = 1.0
+"""The longest wait between two tries: a restarted master hears from every agent soon."""
+
 
 class MasterUnreachable(PlanariaError):
-    """The master did not answer for longer than the heartbeat timeout."""
+    """The master did not answer for longer than the grace."""
 
 
 class MasterRejected(PlanariaError):
     """The master answered with an error (bad token, bad request, unknown node)."""
+
+
+class Fenced(MasterRejected):
+    """The master declared this node lost: its workers must stop."""
 
 
 class _NotYet(Exception):
@@ -29,42 +41,81 @@ class _NotYet(Exception):
 
 
 class MasterClient:
+    """``give_up_after``: how long the master may be unreachable (counted from the first
+    failure, across calls) before a call raises :class:`MasterUnreachable`. ``reattach``:
+    called when the master asks this node to re-attach (a restarted master), before the
+    request is tried again."""
+
     def __init__(self, url: str, token: str, give_up_after: float = 15.0) -> None:
         self.url = url.rstrip("/")
         self.token = token
         self.give_up_after = give_up_after
+        self.reattach: Callable[[], Awaitable[None]] | None = None
+        self._unreachable_since: float | None = None
         self._session = aiohttp.ClientSession(
             headers={"Authorization": f"Bearer {token}"},
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
         )
 
     async def call(self, path: str, body: BaseModel | None, reply: type[R]) -> R:
-        deadline = time.monotonic() + self.give_up_after
         delay = 0.05
+        asked = time.monotonic()
         while True:
             try:
-                if body is None:
-                    request = self._session.get(f"{self.url}{API_PREFIX}{path}")
-                else:
-                    request = self._session.post(
-                        f"{self.url}{API_PREFIX}{path}",
-                        data=body.model_dump_json(),
-                        headers={"Content-Type": "application/json"},
-                    )
-                async with request as response:
-                    text = await response.text()
-                    if response.status == 503:
-                        raise _NotYet(text)
-                    if response.status != 200:
-                        raise MasterRejected(f"master answered {response.status} to {path}: {text}")
-                    return reply.model_validate_json(text)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, _NotYet) as exc:
-                if time.monotonic() > deadline:
-                    raise MasterUnreachable(
-                        f"master at {self.url} unreachable for {self.give_up_after:g}s: {exc}"
-                    ) from exc
+                status, text = await self._request(path, body)
+                self._reached()
+                if status == 409 and self.reattach is not None and path != "/reattach":
+                    log.info("the master asks this node to re-attach")
+                    await self.reattach()
+                    continue
+                if status == 410:
+                    raise Fenced(f"the master fenced this node out of the job: {text}")
+                if status == 503:
+                    raise _NotYet(text)
+                if status != 200:
+                    raise MasterRejected(f"master answered {status} to {path}: {text}")
+                return reply.model_validate_json(text)
+            except _NotYet as exc:  # it answers: only not yet what we asked
+                if time.monotonic() - asked > self.give_up_after:
+                    raise MasterUnreachable(f"master at {self.url} kept saying {exc}") from exc
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                delay = min(delay * 2, MAX_DELAY)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                self._unreached(exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, MAX_DELAY)
+
+    async def _request(self, path: str, body: BaseModel | None) -> tuple[int, str]:
+        if body is None:
+            request = self._session.get(f"{self.url}{API_PREFIX}{path}")
+        else:
+            request = self._session.post(
+                f"{self.url}{API_PREFIX}{path}",
+                data=body.model_dump_json(),
+                headers={"Content-Type": "application/json"},
+            )
+        async with request as response:
+            return response.status, await response.text()
+
+    def _reached(self) -> None:
+        if self._unreachable_since is not None:
+            gone = time.monotonic() - self._unreachable_since
+            log.info("the master answers again", after_s=round(gone, 3))
+            self._unreachable_since = None
+
+    def _unreached(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        if self._unreachable_since is None:
+            self._unreachable_since = now
+            log.warning(
+                "the master is unreachable; workers keep training meanwhile",
+                error=str(exc) or type(exc).__name__,
+                grace_s=self.give_up_after,
+            )
+        elif now - self._unreachable_since > self.give_up_after:
+            raise MasterUnreachable(
+                f"master at {self.url} unreachable for {self.give_up_after:g}s: {exc}"
+            ) from exc
 
     async def close(self) -> None:
         await self._session.close()

@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from planaria.agent.checkpoints import NodeCheckpoints
-from planaria.agent.client import MasterClient
+from planaria.agent.client import Fenced, MasterClient, MasterUnreachable
 from planaria.agent.preflight import preflight
 from planaria.agent.workers import (
     GroupResult,
@@ -48,6 +48,8 @@ from planaria.protocol import (
     JobSpec,
     JoinReply,
     JoinRequest,
+    ReattachReply,
+    ReattachRequest,
     RegisterReply,
     RegisterRequest,
     RendezvousInfo,
@@ -110,6 +112,10 @@ class Agent:
         self.host = host
         self.addr = addr
         self._event_sends: set[concurrent.futures.Future[None]] = set()
+        self._sends: set[asyncio.Task[None]] = set()
+        self._round: RendezvousInfo | None = None
+        """The round this node's workers run, while they do."""
+        self.checkpoints: NodeCheckpoints | None = None
 
     async def run(self) -> int:
         reply = await self.client.call(
@@ -119,7 +125,10 @@ class Agent:
         )
         spec = self.spec = reply.spec
         bind(job=spec.job, node=self.node_id)
-        self.client.give_up_after = spec.heartbeat_timeout
+        # From here on the workers run: an outage of the master is ridden out for the grace
+        # (a restarted master takes the job over), and then they are stopped.
+        self.client.give_up_after = spec.master_grace
+        self.client.reattach = self._reattach
         base_env = {**os.environ, **spec.env, "PLANARIA_RUN_DIR": spec.run_dir}
         if spec.procs_per_node > 1:
             base_env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does
@@ -131,7 +140,6 @@ class Agent:
             log.error("cannot make this node's shared-memory directory", error=str(exc))
             return 1
         self.loop = asyncio.get_running_loop()
-        self.checkpoints: NodeCheckpoints | None = None
         try:
             if spec.checkpoint is not None:
                 self.checkpoints = NodeCheckpoints(spec.checkpoint, shm, self._checkpoint_event)
@@ -171,6 +179,25 @@ class Agent:
             if self.checkpoints is not None:
                 await asyncio.to_thread(self.checkpoints.stop)
             remove_dir(shm)
+
+    async def _reattach(self) -> None:
+        """Tell a restarted master what this node runs, so that it goes on with it."""
+        info = self._round
+        board: ProgressBoard | None = getattr(self, "board", None)
+        last = max((p.step for p in board.read_all()), default=-1) if board else -1
+        checkpoints = self.checkpoints
+        request = ReattachRequest(
+            node_id=self.node_id,
+            host=self.host,
+            addr=self.addr,
+            pid=os.getpid(),
+            round=None if info is None else info.round,
+            node_rank=None if info is None else info.node_rank,
+            last_step=last,
+            memory=checkpoints.holdings(self.spec.procs_per_node) if checkpoints else [],
+        )
+        await self.client.call("/reattach", request, ReattachReply)
+        log.info("re-attached to the master", round=request.round, last_step=last)
 
     async def _healthy(self) -> bool:
         """Run the job's health checks before joining a round. An unhealthy node does not
@@ -228,7 +255,8 @@ class Agent:
         if checkpoints is not None and directives.persist_step is not None:
             # Persist at fault: pin the agreed step before workers can save over it.
             step = directives.persist_step
-            errors = await checkpoints.persist(step, list(range(spec.procs_per_node)), 30.0)
+            ranks = list(range(spec.procs_per_node))
+            errors = await checkpoints.persist(step, ranks, 30.0, info.round)
             for error in errors:
                 log.warning("cannot persist step at fault", step=step, error=error)
         specs = [
@@ -236,7 +264,11 @@ class Agent:
                 local_rank=lr,
                 env={
                     **worker_env(spec, info, lr, restart_count, extra),
-                    **(checkpoints.worker_env(lr, directives.restore) if checkpoints else {}),
+                    **(
+                        checkpoints.worker_env(lr, directives.restore, info.round)
+                        if checkpoints
+                        else {}
+                    ),
                 },
                 log_path=logs / f"rank-{info.rank_offset + lr}.log",
             )
@@ -247,6 +279,7 @@ class Agent:
         except WorkerStartRefused as exc:
             return await self._cannot_start(info, str(exc))
         started = time.time()
+        self._round = info
         log.info("workers started", round=info.round, node_rank=info.node_rank, pids=group.pids)
         watch = NodeWatch(spec.diagnosis, self.node_id, info.round, info.rank_offset, started)
         round_state = _RoundState(info, started, watch)
@@ -268,6 +301,7 @@ class Agent:
                         return action
                     beating = asyncio.ensure_future(self._heartbeats(round_state))
         finally:
+            self._round = None
             for task in (waiting, watching, beating):
                 task.cancel()
             await group.stop()
@@ -421,8 +455,9 @@ class Agent:
             steps = [p for p in slots if p.step >= 0]
             if state.first_step_time is None and steps:
                 state.first_step_time = min(p.time for p in steps)
-                # Tell the master now (it times recovery), not at the next long poll.
-                await self.client.call("/heartbeat", self._beat(state, wait=False), HeartbeatReply)
+                # Tell the master now (it times recovery), not at the next long poll; in the
+                # background, so that an outage of the master does not hold this watch up.
+                self._send(self._beat(state, wait=False))
             alive = group.running and not state.reported
             await state.watch.tick(slots, group.pids, alive, self._report_hang)
             top = max((p.step for p in steps), default=-1)
@@ -442,6 +477,14 @@ class Agent:
                     group.kill(rule.rank - state.info.rank_offset)
                 else:
                     rules.remove(rule)
+
+    def _send(self, beat: Heartbeat) -> None:
+        async def send() -> None:
+            await self.client.call("/heartbeat", beat, HeartbeatReply)
+
+        task = asyncio.ensure_future(send())
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
 
     async def _report_hang(self, report: HangReport) -> None:
         try:
@@ -486,5 +529,15 @@ async def main(master_url: str, token: str, node_id: str, host: str) -> int:
     except asyncio.CancelledError:
         log.info("agent stopped by signal")
         return 143
+    except Fenced as exc:
+        log.error("fenced by the master: workers stopped", reason=str(exc))
+        return 3
+    except MasterUnreachable as exc:
+        log.error(
+            "the master has been gone for the grace: workers stopped, the job cannot be "
+            "steered without it",
+            error=str(exc),
+        )
+        return 4
     finally:
         await client.close()

@@ -20,6 +20,7 @@ import torch
 from planaria import monitor, process
 from planaria.checkpoint import persister
 from planaria.checkpoint.env import (
+    GENERATION_ENV,
     KEEP_LAST_ENV,
     PERSIST_EVERY_ENV,
     REQUIRE_RESTORE_ENV,
@@ -257,6 +258,7 @@ class Checkpointer:
             "storage": self.spec,
             "keep_last": self.keep_last,
             "rejected": sorted(self._rejected),
+            "generation": _generation(),
         }
 
     def _hello(self) -> None:
@@ -703,3 +705,10 @@ def _reshard(old: Any, entry: TensorEntry, shards: _StorageShards, world: int) -
             "this rank needs"
         )
     return old
+
+
+def _generation() -> int:
+    """The round this worker runs in (``PLANARIA_GENERATION``, set by its agent): what it
+    persists carries it, so that a round the master fenced out cannot commit."""
+    value = os.environ.get(GENERATION_ENV, "0")
+    return int(value) if value.isdigit() else 0

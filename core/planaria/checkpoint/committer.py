@@ -41,6 +41,8 @@ class Commit:
     cleanup: bool = False
     """Rank 0's own shard failed: only remove the partial once every rank is accounted for."""
     since: float = field(default_factory=time.monotonic)
+    generation: int = 0
+    """The round that saved the step (see :meth:`PersistedCheckpoints.fence`)."""
 
 
 class Committer:
@@ -123,7 +125,7 @@ class Committer:
 
     def _commit(self, c: Commit) -> None:
         try:
-            manifest = c.store.commit(c.step, c.world)
+            manifest = c.store.commit(c.step, c.world, c.generation)
         except (OSError, PlanariaError, ValueError) as exc:
             self._give_up(c, f"commit: {exc}")
             return

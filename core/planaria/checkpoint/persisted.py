@@ -7,6 +7,7 @@ Layout under the storage root::
     step-100/                      a committed step: the shards, their records, then
     step-100/manifest.json         the manifest, written last, before the rename
     latest                         {"step": 100}: a pointer for tools; readers list steps
+    fence                          {"generation": 4}: commits of older rounds are refused
 
 A step is committed once every rank's shard is in ``step-N.partial/``: the manifest (each file's
 size and xxh3-64 checksum) is written last, the directory is renamed to ``step-N/`` by the
@@ -34,7 +35,7 @@ from typing import Any, Literal, TypeVar
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from planaria.errors import CheckpointCorruptError, StorageError
+from planaria.errors import CheckpointCorruptError, FencedError, StorageError
 from planaria.log import get_logger
 from planaria.plugin.manager import PluginManager
 from planaria.plugin.records import PluginKind
@@ -46,6 +47,7 @@ FORMAT: Literal["planaria-flash/1"] = "planaria-flash/1"
 HASH: Literal["xxh3_64"] = "xxh3_64"
 MANIFEST = "manifest.json"
 LATEST = "latest"
+FENCE = "fence"
 _STEP = re.compile(r"^step-(\d+)$")
 _PARTIAL = re.compile(r"^step-(\d+)\.partial$")
 
@@ -102,6 +104,8 @@ class Manifest(_Strict):
     hash: Literal["xxh3_64"]
     created: float
     files: dict[str, FileEntry]
+    generation: int = Field(default=0, ge=0)
+    """The round whose workers saved it (see :meth:`PersistedCheckpoints.fence`)."""
 
 
 class ShardMeta(BaseModel):
@@ -126,6 +130,7 @@ class ShardRecord(_Strict):
     hash: Literal["xxh3_64"] = HASH
     checksum: str = Field(pattern=r"^[0-9a-f]{16}$")
     meta: ShardMeta
+    generation: int = Field(default=0, ge=0)
 
     def to_json(self) -> bytes:
         return self.model_dump_json().encode()
@@ -186,7 +191,13 @@ class PersistedCheckpoints:
     # -- writing (the persister) ---------------------------------------------------------------
 
     def write_shard(
-        self, step: int, rank: int, world: int, data: memoryview, meta: dict[str, Any]
+        self,
+        step: int,
+        rank: int,
+        world: int,
+        data: memoryview,
+        meta: dict[str, Any],
+        generation: int = 0,
     ) -> ShardRecord:
         """Write one rank's shard and its record into ``step-N.partial/``, durably."""
         digest = xxhash.xxh3_64()
@@ -200,7 +211,13 @@ class PersistedCheckpoints:
         partial = step_dir(step, partial=True)
         size = self.storage.write(f"{partial}/{shard_name(rank)}", hashed())
         record = ShardRecord(
-            rank=rank, world=world, step=step, size=size, checksum=digest.hexdigest(), meta=layout
+            rank=rank,
+            world=world,
+            step=step,
+            size=size,
+            checksum=digest.hexdigest(),
+            meta=layout,
+            generation=generation,
         )
         self.storage.write(f"{partial}/{record_name(rank)}", [record.to_json()])
         return record
@@ -226,9 +243,33 @@ class PersistedCheckpoints:
         """Remove ``step-N.partial/``: the step will never be committed."""
         self.storage.delete(step_dir(step, partial=True))
 
-    def commit(self, step: int, world: int) -> Manifest:
+    # -- fencing ---------------------------------------------------------------------------
+
+    def fence(self, generation: int) -> None:
+        """From now on, refuse commits of rounds older than ``generation``: the master calls
+        this before a round without a node it declared lost starts, so that the lost node's
+        workers, still running somewhere cut off, cannot commit what they save."""
+        if generation > self.fenced_at():
+            self.storage.write(FENCE, [json.dumps({"generation": generation}).encode()])
+
+    def fenced_at(self) -> int:
+        """The oldest round whose commits are still taken (0: no fence)."""
+        try:
+            raw = self.storage.read(FENCE)
+        except (StorageError, FileNotFoundError):
+            return 0
+        try:
+            value = json.loads(raw)["generation"]
+        except (ValueError, KeyError, TypeError):
+            value = None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise CheckpointCorruptError(f"{FENCE}: not a fence record: {raw[:80]!r}")
+        return value
+
+    def commit(self, step: int, world: int, generation: int = 0) -> Manifest:
         """Write the manifest of a complete ``step-N.partial/``, rename it to ``step-N/``,
-        point ``latest`` at it and apply retention. Returns the manifest."""
+        point ``latest`` at it and apply retention. Returns the manifest. Every shard must be
+        of ``generation``, and the storage must not be fenced past it."""
         partial = step_dir(step, partial=True)
         files: dict[str, FileEntry] = {}
         for rank in range(world):
@@ -238,6 +279,11 @@ class PersistedCheckpoints:
                 raise CheckpointCorruptError(
                     f"{partial}/{record_name(rank)} describes rank {record.rank} of "
                     f"{record.world} at step {record.step}, not rank {rank} of {world} at {step}"
+                )
+            if record.generation != generation:
+                raise FencedError(
+                    f"{partial}/{record_name(rank)} was saved in round {record.generation}, "
+                    f"not in round {generation} that commits the step: a fenced node wrote it"
                 )
             files[shard_name(rank)] = FileEntry(size=record.size, checksum=record.checksum)
             size, digest = checksum([raw])
@@ -249,9 +295,21 @@ class PersistedCheckpoints:
             self.storage.delete(step_dir(step))
         self.rejected.discard(step)
         manifest = Manifest(
-            format=FORMAT, step=step, world=world, hash=HASH, created=time.time(), files=files
+            format=FORMAT,
+            step=step,
+            world=world,
+            hash=HASH,
+            created=time.time(),
+            files=files,
+            generation=generation,
         )
         self.storage.write(f"{partial}/{MANIFEST}", [manifest.model_dump_json(indent=1).encode()])
+        fence = self.fenced_at()
+        if generation < fence:  # as late as can be: the rename is the commit
+            raise FencedError(
+                f"step {step} of round {generation} not committed: the master fenced rounds "
+                f"before {fence} out (this node was declared lost)"
+            )
         self.storage.commit(partial, step_dir(step))
         self.storage.write(LATEST, [json.dumps({"step": step}).encode()])
         self.retain()

@@ -80,6 +80,8 @@ class _Connection:
     sock: socket.socket
     segment: Segment | None = None
     store: PersistedCheckpoints | None = None
+    generation: int = 0
+    """The round of the worker (or agent) on this connection: its shards and commits carry it."""
     work: queue.Queue[_Pending | None] = field(default_factory=queue.Queue)
     outstanding: int = 0
     commits: set[int] = field(default_factory=set)
@@ -205,6 +207,8 @@ class Persister:
         if conn.segment is not None:
             conn.segment.close()
         conn.segment, conn.store = segment, store
+        generation = request.get("generation", 0)
+        conn.generation = generation if isinstance(generation, int) and generation >= 0 else 0
         self._send(conn, {"op": "ready"})
 
     def _report(self, conn: _Connection, request: dict[str, Any]) -> None:
@@ -266,7 +270,9 @@ class Persister:
                 log.info("step already committed; not persisted again", step=info.step)
                 return
             meta = segment.meta(info)
-            record = store.write_shard(info.step, info.rank, info.world, segment.data(info), meta)
+            record = store.write_shard(
+                info.step, info.rank, info.world, segment.data(info), meta, conn.generation
+            )
             self.emit(
                 "shard_persisted",
                 step=info.step,
@@ -278,7 +284,8 @@ class Persister:
                 with conn.lock:
                     conn.commits.add(info.step)
                 done = self._commit_done(conn, info.step)
-                self._committer.submit(Commit(store, info.step, info.world, done))
+                commit = Commit(store, info.step, info.world, done, generation=conn.generation)
+                self._committer.submit(commit)
         except (OSError, PlanariaError, ValueError) as exc:
             message = f"step {info.step} rank {info.rank}: {exc}"
             self.emit("persist_failed", step=info.step, rank=info.rank, error=str(exc))

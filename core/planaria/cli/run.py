@@ -22,7 +22,8 @@ from planaria.errors import ConfigError
 from planaria.events import EventKind, JobEvent
 from planaria.master.diagnosis import stopped_on_start
 from planaria.master.job import Master
-from planaria.master.runner import RunHooks, run_issues, run_job
+from planaria.master.journal import JournalError
+from planaria.master.runner import RunHooks, resume_job, run_issues, run_job
 from planaria.master.state import JobState
 from planaria.master.timeline import NO_STEPS, Summary
 from planaria.plugin.manager import PluginManager
@@ -235,20 +236,49 @@ ChaosOption = Annotated[
 ]
 
 
+ResumeOption = Annotated[
+    Optional[Path],  # noqa: UP045
+    typer.Option(
+        "--resume",
+        metavar="RUN_DIR",
+        help="take over the job of RUN_DIR whose master died: its agents keep training for "
+        "master.grace and re-attach (no config file then)",
+        show_default=False,
+    ),
+]
+
+
 @app.command("run")
 def run_command(
-    file: Annotated[Path, typer.Argument(help="job config file (YAML or TOML)")],
+    file: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Argument(help="job config file (YAML or TOML)", show_default=False),
+    ] = None,
     command: Command = None,
     set_: SetOption = None,
     chaos: ChaosOption = None,
+    resume: ResumeOption = None,
 ) -> None:
     """Run a training job: master, nodes, rendezvous, supervision and recovery.
 
     Exit 0 only if the training command succeeded; 2 for a bad config, and for workers that
     cannot start.
     """
-    resolved, manager = _prepare(file, set_ or [], chaos or [], command or [])
-    summary, run_dir = asyncio.run(run_job(resolved, manager, hooks=HOOKS))
+    if resume is not None:
+        if file is not None or command or set_ or chaos:
+            error("--resume takes the job as it was journalled: give no config, --set or --chaos")
+            raise SystemExit(EXIT_USAGE)
+        try:
+            summary, run_dir = asyncio.run(resume_job(resume, hooks=HOOKS))
+        except JournalError as exc:
+            error(str(exc))
+            raise SystemExit(EXIT_USAGE) from None
+    elif file is None:
+        error("give a job config file, or --resume RUN_DIR")
+        raise SystemExit(EXIT_USAGE)
+    else:
+        resolved, manager = _prepare(file, set_ or [], chaos or [], command or [])
+        summary, run_dir = asyncio.run(run_job(resolved, manager, hooks=HOOKS))
     print_summary(summary, run_dir)
     if summary.state != JobState.SUCCEEDED.value:
         raise SystemExit(EXIT_USAGE if stopped_on_start(summary) else 1)

@@ -437,6 +437,12 @@ class MasterSection(Section):
     )
     heartbeat_interval: Duration = 2.0
     heartbeat_timeout: Duration = 15.0
+    grace: Duration = Field(
+        default=60.0,
+        description="how long agents that lost the master keep their workers training, "
+        "waiting for it (or a master resumed with `planaria run --resume`), before they stop "
+        "them; a master that hears from no node waits as long before it calls them lost",
+    )
     request_timeout: Duration = Field(
         default=10.0,
         gt=0,

@@ -11,9 +11,37 @@ and the summary, and an error that stops the job with ``checkpoint.require_resto
 
 from __future__ import annotations
 
+from typing import Any
+
 from planaria import events
+from planaria.checkpoint.persisted import PersistedCheckpoints
+from planaria.log import get_logger
 from planaria.master.timeline import Timeline
 from planaria.protocol import CheckpointEvent, CheckpointSpec
+
+log = get_logger("master")
+
+
+class Fence:
+    """The oldest round whose checkpoints may still be committed, kept in the job's storage
+    (:meth:`~planaria.checkpoint.persisted.PersistedCheckpoints.fence`) where every node's
+    committer reads it: a node declared lost may still be training somewhere, cut off; what
+    it saves after the fence is never committed."""
+
+    def __init__(self, spec: CheckpointSpec | None) -> None:
+        self.spec = spec
+        self.generation = 0
+
+    def raise_to(self, generation: int, node: str) -> None:
+        if self.spec is None or generation <= self.generation:
+            return
+        try:
+            PersistedCheckpoints.open(self.spec.storage).fence(generation)
+        except Exception as exc:  # storage down: the round checks still hold the rest
+            log.error("cannot write the checkpoint fence", node=node, error=str(exc))
+            return
+        self.generation = generation
+        log.info("checkpoints of earlier rounds fenced", generation=generation, node=node)
 
 
 class JobCheckpoints:
@@ -29,6 +57,26 @@ class JobCheckpoints:
         self.scratch = ""
         """Why training started from scratch although committed steps exist."""
         self.persister_restarts = 0
+
+    _KEPT = (
+        "committed",
+        "committed_step",
+        "failed_step",
+        "failed_error",
+        "scratch",
+        "persister_restarts",
+    )
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            **{k: getattr(self, k) for k in self._KEPT},
+            "skipped": {str(s): why for s, why in self.skipped.items()},
+        }
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        for key in self._KEPT:
+            setattr(self, key, snapshot[key])
+        self.skipped = {int(s): str(why) for s, why in dict(snapshot["skipped"]).items()}
 
     def event(self, node: str, report: CheckpointEvent) -> str | None:
         """Put ``report`` in the timeline; the reason to stop the job, if it is one."""

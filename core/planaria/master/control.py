@@ -49,8 +49,9 @@ class JobControl(Protocol):
     @property
     def stop_reason(self) -> str: ...
 
-    def heard_from(self, node_id: str) -> Node:
-        """The node that just spoke (its heartbeat window starts again); KeyError if unknown."""
+    def heard_from(self, node_id: str, *, fence: bool = True) -> Node:
+        """The node that just spoke (its heartbeat window starts again); KeyError if unknown.
+        One declared lost is told to stop (``fence``: :class:`~planaria.master.state.Fenced`)."""
         ...
 
     def replacing(self) -> bool:

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from planaria import events
 from planaria.log import get_logger
+from planaria.master.journal import Journal
 from planaria.master.state import Node, NodePhase, RegistrationRefused
 from planaria.master.timeline import Timeline
 from planaria.protocol import Action, NodeStatus, RegisterRequest
@@ -46,6 +47,28 @@ class Fleet:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scheduler")
         self._tasks: set[asyncio.Task[None]] = set()
         self._replacing = 0
+        self.journal: Journal | None = None
+        """Told of every node handle the scheduler gives, and of changes to the nodes."""
+        self.grace = heartbeat_timeout
+        """How long every node may be silent at once before they count as lost: a master
+        that hears from nobody may itself be cut off (``master.grace``)."""
+        self._all_silent_since: float | None = None
+
+    def add(self, node: Node) -> Node:
+        """Count ``node`` in; the journal hears of its changes from now on."""
+        self.nodes[node.node_id] = node
+        if self.journal is not None:
+            node.on_change = self.journal.node_changed
+            self.journal.node_changed(node.node_id)
+        return node
+
+    def _handles(self, handles: list[NodeHandle]) -> None:
+        if self.journal is not None:
+            self.journal.handles([h.model_dump(mode="json") for h in handles])
+
+    async def adopt(self, spec: LaunchSpec, handles: list[NodeHandle], excluded: set[str]) -> None:
+        """Hand a restarted master's nodes to the scheduler (:meth:`Scheduler.adopt`)."""
+        await self.call(self.scheduler.adopt, spec, handles, excluded)
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -58,8 +81,9 @@ class Fleet:
             handles = await self.call(self.scheduler.launch, spec, count)
         finally:
             self.launching -= 1
+        self._handles(handles)
         for handle in handles:
-            self.nodes[handle.node_id] = Node(handle.node_id, handle.host)
+            self.add(Node(handle.node_id, handle.host))
         return handles
 
     def replace(self, node: Node, *, exclude_host: bool) -> Awaitable[Node]:
@@ -73,7 +97,8 @@ class Fleet:
                 handle = await self.call(
                     self.scheduler.replace, node.node_id, exclude_host=exclude_host
                 )
-                new = self.nodes[handle.node_id] = Node(handle.node_id, handle.host)
+                self._handles([handle])
+                new = self.add(Node(handle.node_id, handle.host))
             finally:
                 self._replacing -= 1
             return new
@@ -179,14 +204,35 @@ class Fleet:
         """Registered nodes in the job not heard from for the heartbeat timeout (``now`` on the
         monotonic clock), except those ``but`` excuses. A node still pending is the scheduler's
         business; the rendezvous timeout covers one that never comes."""
-        return [
+        watched = [
             node
             for node in list(self.nodes.values())
-            if now - node.last_seen > self.heartbeat_timeout
-            and node.phase is not NodePhase.LAUNCHED
-            and not node.phase.gone
-            and not but(node.node_id)
+            if node.phase is not NodePhase.LAUNCHED and not node.phase.gone
         ]
+        silent = [
+            node
+            for node in watched
+            if now - node.last_seen > self.heartbeat_timeout and not but(node.node_id)
+        ]
+        if not silent or len(silent) < len(watched):
+            self._all_silent_since = None
+            return silent
+        # Nobody is heard: this master may be the one cut off. The agents keep training for
+        # the grace; so does the master before it calls them lost.
+        if self._all_silent_since is None:
+            self._all_silent_since = now
+            log.warning(
+                "no node heard for the heartbeat timeout: this master may be cut off; "
+                "waiting for the grace before any is called lost",
+                nodes=len(silent),
+                grace=self.grace,
+            )
+            self.timeline.emit(
+                events.MasterIsolated(nodes=len(silent), grace=self.grace),
+                f"none of the {len(silent)} node(s) heard for {self.heartbeat_timeout:g}s: "
+                f"the master may be cut off; waiting up to {self.grace:g}s (master.grace)",
+            )
+        return [n for n in silent if now - n.last_seen > self.grace]
 
     def stall_threshold(self) -> float:
         """A gap between two ticks beyond which the master counts itself as having stalled."""

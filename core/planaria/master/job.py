@@ -24,14 +24,24 @@ from planaria.errors import SchedulerError
 from planaria.events import JobEvent, Payload, StopCause
 from planaria.log import get_logger
 from planaria.master import restore
-from planaria.master.checkpoints import JobCheckpoints
+from planaria.master.checkpoints import Fence, JobCheckpoints
 from planaria.master.diagnosis import Diagnosis
 from planaria.master.fleet import Fleet
+from planaria.master.journal import Journal, Journalled
 from planaria.master.policy import Decision, FaultType, Source
 from planaria.master.preflight import Preflight
 from planaria.master.recovery import Recovery
 from planaria.master.rounds import Rounds
-from planaria.master.state import BadReport, JobSettings, JobState, Node, NodePhase
+from planaria.master.state import (
+    BadReport,
+    Fenced,
+    JobSettings,
+    JobState,
+    Node,
+    NodePhase,
+    NotAttached,
+    RegistrationRefused,
+)
 from planaria.master.timeline import Fault, Summary, Timeline
 from planaria.protocol import (
     Action,
@@ -41,12 +51,14 @@ from planaria.protocol import (
     JobStatus,
     JoinReply,
     JoinRequest,
+    ReattachReply,
+    ReattachRequest,
     RegisterRequest,
     RendezvousInfo,
     RoundDirectives,
     WorkersReport,
 )
-from planaria.scheduler.api import LaunchSpec, NodeEvent, NodeState, Scheduler
+from planaria.scheduler.api import LaunchSpec, NodeEvent, NodeHandle, NodeState, Scheduler
 
 log = get_logger("master")
 
@@ -88,6 +100,117 @@ class Master:
         self.recovery = Recovery(self, settings.rules, self.fleet, self.rounds, self.timeline)
         self.diagnosis = Diagnosis(self, settings.diagnosis)
         self.preflight = Preflight(self, settings.diagnosis.preflight)
+        self.fleet.grace = self.spec.master_grace
+        self.journal: Journal | None = None
+        self._told_fenced: set[str] = set()
+        self.fence = Fence(self.spec.checkpoint)
+
+    # -- the journal ------------------------------------------------------------------------
+
+    def keep_journal(self, journal: Journal) -> None:
+        """Journal the job's state from now on (:mod:`planaria.master.journal`)."""
+        self.journal = journal
+        self.fleet.journal = journal
+        for node in self.nodes.values():
+            node.on_change = journal.node_changed
+            journal.node_changed(node.node_id)
+        self.write_journal()
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "job": {
+                "state": self.state.value,
+                "reason": self.reason,
+                "started": self.started,
+                "first_step_at": self.first_step_at,
+                "finished_at": self.finished_at,
+                "restore": self.restore,
+                "persist_step": self.persist_step,
+            },
+            "rounds": self.rounds.snapshot(),
+            "recovery": self.recovery.snapshot(),
+            "checkpoints": self.checkpoints.snapshot(),
+            "fence": self.fence.generation,
+        }
+
+    def write_journal(self) -> None:
+        """Write what changed since the last write (after each request and tick)."""
+        if self.journal is None:
+            return
+        self.journal.write(self.snapshot(), self.nodes)
+
+    def resume(self, journalled: Journalled) -> None:
+        """Take the job over where the master before this one left it. The nodes it had
+        are expected back: every one is asked to re-attach first (agents keep their workers
+        training meanwhile), and each gets a fresh heartbeat window."""
+        parts = journalled.parts
+        job = parts["job"]
+        self.state = JobState(job["state"])
+        self.reason = job["reason"]
+        self.started = job["started"]
+        self.first_step_at = job["first_step_at"]
+        self.finished_at = job["finished_at"]
+        self.restore = job["restore"]
+        self.persist_step = job["persist_step"]
+        self.rounds.restore(parts["rounds"], time.time())
+        self.recovery.restore(parts["recovery"])
+        self.checkpoints.restore(parts["checkpoints"])
+        self.fence.generation = int(parts["fence"])
+        self.preflight.finished = True
+        now = time.monotonic()
+        for record in journalled.nodes.values():
+            node = Node.from_record(record)
+            node.attached = node.phase in (NodePhase.LAUNCHED,) or node.phase.gone
+            node.last_seen = now
+            self.fleet.add(node)
+        if self.state is JobState.RENDEZVOUS:  # re-formed from the joins that come now
+            self._round_settled = asyncio.Event()
+        clock = parts.get("clock")
+        down = None if not isinstance(clock, float) else max(0.0, time.time() - clock)
+        expected = [n.node_id for n in self.nodes.values() if not n.attached]
+        self.timeline.emit(
+            events.MasterResumed(round=self.rounds.round, nodes=expected, down_s=down),
+            f"master resumed the job at round {self.rounds.round} ({self.state.value}); "
+            f"{len(expected)} node(s) to re-attach",
+        )
+
+    def reattach(self, request: ReattachRequest) -> ReattachReply:
+        """An agent re-attaches to this restarted master: if its workers run the current
+        round with the rank the journal gives it, they go on untouched."""
+        node = self.nodes.get(request.node_id)
+        if node is None:
+            raise KeyError(request.node_id)
+        if node.phase is NodePhase.LOST:
+            self._fenced(node, "reattach")
+        if (node.pid, node.host) != (request.pid, request.host):
+            raise RegistrationRefused(
+                f"node {request.node_id} is agent pid {node.pid} on {node.host}, not pid "
+                f"{request.pid} on {request.host}"
+            )
+        node.attached = True
+        node.last_seen = time.monotonic()
+        node.memory = list(request.memory)
+        node.step = max(node.step, request.last_step)
+        info = self.rounds.world.get(node.node_id)
+        current = (
+            self.rounds.closed
+            and info is not None
+            and request.round == self.rounds.round
+            and request.node_rank == info.node_rank
+        )
+        restart = request.round is not None and not current and not self.state.terminal
+        if restart:  # the job went on without this node's round: its workers start again
+            node.send(Action(kind="restart", round=self.rounds.round, reason="master resumed"))
+        elif self.state.terminal:
+            node.send(Action(kind="exit", reason=self.reason))
+        self.timeline.emit(
+            events.NodeReattached(round=request.round, restarted=restart),
+            f"node {node.node_id} re-attached"
+            + (f" (round {request.round})" if request.round is not None else "")
+            + ("; its workers restart into the current round" if restart else ""),
+            node=node.node_id,
+        )
+        return ReattachReply(state="continue")
 
     # -- what observers see (JobControl) ---------------------------------------------------
 
@@ -123,12 +246,33 @@ class Master:
     def stop_reason(self) -> str:
         return self.reason
 
-    def heard_from(self, node_id: str) -> Node:
+    def heard_from(self, node_id: str, *, fence: bool = True) -> Node:
+        """The node a request comes from. One the master declared lost is fenced (``fence``:
+        told to stop; its reports of what happened are still taken); one that has not
+        re-attached to a restarted master is asked to first."""
         node = self.nodes.get(node_id)
         if node is None:
             raise KeyError(node_id)
+        if node.phase is NodePhase.LOST and fence:
+            self._fenced(node)
+        if not node.attached:
+            raise NotAttached(node_id)
         node.last_seen = time.monotonic()
         return node
+
+    def _fenced(self, node: Node, request: str = "") -> None:
+        if node.node_id not in self._told_fenced:
+            self._told_fenced.add(node.node_id)
+            self.timeline.emit(
+                events.NodeFenced(request=request),
+                f"node {node.node_id} ({node.host}), declared lost, reached the master again: "
+                "told to stop its workers",
+                node=node.node_id,
+            )
+        raise Fenced(
+            f"node {node.node_id} was declared lost and is fenced out of the job: stop its "
+            "workers (another node may be training in its place)"
+        )
 
     def replacing(self) -> bool:
         return self.fleet.replacing() > 0
@@ -137,6 +281,12 @@ class Master:
         self, payload: Payload, message: str, *, node: str | None = None, rank: int | None = None
     ) -> JobEvent:
         return self.timeline.emit(payload, message, node=node, rank=rank)
+
+    def fence_out(self, node: Node) -> None:
+        """``node`` is declared lost: no round it ran in may commit a checkpoint any more.
+        The round that goes on without it is the one forming, or the next one."""
+        generation = self.rounds.round + 1 if self.rounds.closed else self.rounds.round
+        self.fence.raise_to(generation, node.node_id)
 
     def stop(self, reason: str, cause: StopCause = StopCause.INTERRUPTED) -> None:
         self._finish(JobState.FAILED, reason, cause)
@@ -235,7 +385,7 @@ class Master:
         self.recovery.first_step(beat.round, beat.first_step_time, first)
 
     def workers_report(self, report: WorkersReport) -> None:
-        node = self.heard_from(report.node_id)
+        node = self.heard_from(report.node_id, fence=False)  # a late report still tells
         node.step = max(node.step, report.last_step)
         current = report.round == self.rounds.round and self.state is JobState.RUNNING
         if report.succeeded:
@@ -254,7 +404,7 @@ class Master:
         self.diagnosis.workers_failed(node, report, current=current)
 
     def checkpoint_event(self, report: CheckpointEvent) -> None:
-        node = self.heard_from(report.node_id)
+        node = self.heard_from(report.node_id, fence=False)
         stop = self.checkpoints.event(node.node_id, report)
         if stop is not None:
             self._finish(JobState.FAILED, stop, StopCause.CHECKPOINT)
@@ -382,6 +532,21 @@ class Master:
             events.JobStarted(run_id=self.spec.run_id, nodes=[h.node_id for h in handles]),
             f"job {self.spec.job} started: {len(handles)} node(s) requested",
         )
+
+    async def adopt(self, spec: LaunchSpec, journalled: Journalled) -> None:
+        """A resumed job's nodes: the scheduler takes them over, and the replacements the
+        master before this one had asked for and not seen come are asked for again."""
+        handles = []
+        for raw in journalled.handles.values():
+            handle = NodeHandle.model_validate(raw)
+            node = self.nodes.get(handle.node_id)
+            if node is None or node.phase.gone:
+                handle = handle.model_copy(update={"state": NodeState.LOST})
+            handles.append(handle)
+        await self.fleet.adopt(spec, handles, set(self.recovery.excluded))
+        for node_id, exclude_host in list(self.recovery.replacing.items()):
+            if node_id in self.nodes:
+                self.recovery.replace(self.nodes[node_id], exclude_host)
 
     def node_event(self, event: NodeEvent) -> None:
         """The scheduler saw a node change: one that ended is lost (or, once the job is

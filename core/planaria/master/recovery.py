@@ -9,9 +9,10 @@ the steps lost) for the timeline and the summary.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from planaria import events
 from planaria.events import StopCause
@@ -52,6 +53,10 @@ class Restartable(Protocol):
 
     def stop(self, reason: str, cause: StopCause) -> None: ...
 
+    def fence_out(self, node: Node) -> None:
+        """``node`` is out: nothing it saves from now on may be committed."""
+        ...
+
 
 class Recovery:
     def __init__(
@@ -66,6 +71,33 @@ class Recovery:
         self.restarts = 0
         self.preflight_replaced = 0
         """Nodes the pre-flight check had replaced: it may not ask for more than ``max``."""
+        self.excluded: set[str] = set()
+        """Hosts excluded by replacements that came back."""
+        self.replacing: dict[str, bool] = {}
+        """Nodes whose replacement was asked and has not come back: whether its host is
+        excluded. A restarted master asks again for these."""
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "restarts": self.restarts,
+            "preflight_replaced": self.preflight_replaced,
+            "faults": [dataclasses.asdict(f) for f in self.faults],
+            "replacing": dict(self.replacing),
+            "excluded": sorted(self.excluded),
+        }
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        self.restarts = int(snapshot["restarts"])
+        self.preflight_replaced = int(snapshot["preflight_replaced"])
+        self.faults = [Fault(**f) for f in snapshot["faults"]]
+        self.replacing = {str(n): bool(x) for n, x in dict(snapshot["replacing"]).items()}
+        self.excluded = {str(h) for h in snapshot["excluded"]}
+
+    def replace(self, node: Node, exclude_host: bool) -> None:
+        """Ask the scheduler for a node in ``node``'s place, in the background."""
+        self.replacing[node.node_id] = exclude_host
+        answer = self.fleet.replace(node, exclude_host=exclude_host)
+        self.fleet.background(self._replaced(node, answer, exclude_host))
 
     def situation(self, but: str | None = None) -> Situation:
         return Situation(
@@ -111,8 +143,7 @@ class Recovery:
         if decision.act is Act.REPLACE:
             if source in PREFLIGHT_SOURCES:
                 self.preflight_replaced += 1
-            answer = self.fleet.replace(node, exclude_host=decision.exclude_host)
-            self.fleet.background(self._replaced(node, answer, decision.exclude_host))
+            self.replace(node, decision.exclude_host)
         elif decision.act is Act.SHRINK:
             self.fleet.background(self._release(node, fault))
         return decision
@@ -136,6 +167,7 @@ class Recovery:
         if node.phase.gone:
             return
         node.phase = NodePhase.LOST
+        self.job.fence_out(node)
         self.rounds.leave(node.node_id)
         node.send(Action(kind="exit", reason=why))
 
@@ -163,6 +195,7 @@ class Recovery:
         try:
             new = await answer
         except Exception as exc:
+            self.replacing.pop(node.node_id, None)
             if self.job.stopping:
                 return  # the job ended meanwhile and interrupted the scheduler: no news
             log.warning("node replacement failed", node=node.node_id, error=str(exc))
@@ -181,9 +214,11 @@ class Recovery:
             if decision.act is Act.STOP:
                 self.job.stop(decision.reason, decision.cause or StopCause.TOO_FEW_NODES)
             return
+        self.replacing.pop(node.node_id, None)
         if self.job.stopping:
             return
         if exclude_host:
+            self.excluded.add(node.host)
             self.timeline.emit(
                 events.NodeExcluded(host=node.host),
                 f"host {node.host} excluded (node {node.node_id})",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Set
 from dataclasses import dataclass
+from typing import Any
 
 from planaria.protocol import RendezvousInfo
 
@@ -45,6 +46,7 @@ class Rounds:
         self._ranks: dict[str, int] = {}
         self._last_join = 0.0
         self.opened_at = 0.0
+        self._snapshot: tuple[tuple[int, bool, int, int], dict[str, Any]] | None = None
 
     def open(self, now: float) -> int:
         """Start forming the next round; the running world is dissolved."""
@@ -116,6 +118,32 @@ class Rounds:
         }
         self.closed = True
         return self.world
+
+    def snapshot(self) -> dict[str, Any]:
+        """What a restarted master needs to go on with the same round (its journal's copy).
+        A round still forming is re-formed from its next joins: its joiners are not kept.
+        The same object until the round changes (the journal skips what it wrote last)."""
+        key = (self.round, self.closed, len(self.world), len(self._ranks))
+        if self._snapshot is not None and self._snapshot[0] == key:
+            return self._snapshot[1]
+        snapshot = {
+            "round": self.round,
+            "closed": self.closed,
+            "world": {n: i.model_dump(mode="json") for n, i in self.world.items()},
+            "ranks": dict(self._ranks),
+        }
+        self._snapshot = (key, snapshot)
+        return snapshot
+
+    def restore(self, snapshot: dict[str, Any], now: float) -> None:
+        self.round = int(snapshot["round"])
+        self.closed = bool(snapshot["closed"])
+        self.world = {
+            n: RendezvousInfo.model_validate(i) for n, i in dict(snapshot["world"]).items()
+        }
+        self._ranks = {str(n): int(r) for n, r in dict(snapshot["ranks"]).items()}
+        self._joiners = {}
+        self.opened_at = self._last_join = now
 
     def standby(self) -> list[str]:
         """Nodes that joined but did not fit in the closed world."""

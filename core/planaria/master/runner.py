@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import datetime
 import errno
+import fcntl
+import os
 import secrets
 import shutil
 import signal
@@ -22,14 +24,16 @@ from typing import Any
 
 from aiohttp import web
 
-from planaria.config import ResolvedConfig
+from planaria.config import ResolvedConfig, load_raw
+from planaria.config.loader import RawConfig
 from planaria.config.machine import machine_issues, workdir_issues
 from planaria.diagnosis.setup import BENCHMARK_PATH, agent_spec, master_policy
 from planaria.errors import ConfigError, ConfigIssue
 from planaria.events import JobEvent
 from planaria.master.job import Master
+from planaria.master.journal import Journal, JournalError, Journalled
 from planaria.master.server import ServerLimits, make_app, serve
-from planaria.master.state import JobSettings
+from planaria.master.state import JobSettings, JobState
 from planaria.master.timeline import Summary
 from planaria.master.transport import transport
 from planaria.plugin.manager import PluginManager
@@ -40,10 +44,12 @@ from planaria.scheduler.api import LaunchSpec, Scheduler
 TICK = 0.05
 
 
-async def supervise(master: Master, launch: LaunchSpec) -> Summary:
-    """Launch the job's nodes (``launch`` is what each runs: the agent) and see the job
-    through: the scheduler's news, the ticks, and, once it ends, its nodes' exit."""
-    await master.launch(launch)
+async def supervise(master: Master, launch: LaunchSpec | None) -> Summary:
+    """Launch the job's nodes (``launch`` is what each runs: the agent; None: a resumed job's
+    nodes run already) and see the job through: the scheduler's news, the ticks, and, once it
+    ends, its nodes' exit."""
+    if launch is not None:
+        await master.launch(launch)
     spec = master.spec
     exit_deadline: float | None = None
     ticked = time.monotonic()
@@ -56,6 +62,7 @@ async def supervise(master: Master, launch: LaunchSpec) -> Summary:
         master.fleet.renew_after_stall(ticked - seen)
         if not master.stopping:
             master.tick(now, ticked)
+            master.write_journal()
             continue
         if exit_deadline is None:
             exit_deadline = now + spec.stop_grace + spec.heartbeat_interval + 2.0
@@ -64,6 +71,7 @@ async def supervise(master: Master, launch: LaunchSpec) -> Summary:
     # Replacements asked before the end come back first: nothing of the job's may write to
     # its timeline once this returns (the caller closes it).
     await master.fleet.close()
+    master.write_journal()
     return master.summary()
 
 
@@ -181,6 +189,7 @@ def _job_spec(
         max_restarts=job.max_restarts,
         heartbeat_interval=config.master.heartbeat_interval,
         heartbeat_timeout=config.master.heartbeat_timeout,
+        master_grace=config.master.grace,
         stop_grace=job.stop_grace,
         preload=[] if preflight_only else job.preload,
         chaos=config.chaos,
@@ -190,23 +199,80 @@ def _job_spec(
 
 
 async def _serve(
-    resolved: ResolvedConfig, app_: web.Application, master: Master, run_dir: Path
+    resolved: ResolvedConfig,
+    app_: web.Application,
+    master: Master,
+    run_dir: Path,
+    port: int | None = None,
 ) -> tuple[web.AppRunner, int]:
-    """Serve the API. An address or port this machine cannot give is the config's problem;
-    the run that could not start leaves nothing behind, its directory included."""
-    host, port = resolved.config.master.host, resolved.config.master.port
+    """Serve the API (on ``port``, or the configured one). An address or port this machine
+    cannot give is the config's problem; a new run that could not start leaves nothing behind,
+    its directory included."""
+    host = resolved.config.master.host
+    port = resolved.config.master.port if port is None else port
+    resumed = master.journal is not None and master.state is not JobState.STARTING
     try:
         return await serve(app_, host, port)
     except OSError as exc:
         master.timeline.close()
-        shutil.rmtree(run_dir, ignore_errors=True)
+        if not resumed:
+            shutil.rmtree(run_dir, ignore_errors=True)
         why = exc.strerror or str(exc)
-        if exc.errno == errno.EADDRINUSE:
+        if resumed:
+            where, hint = (
+                "master.port",
+                ("the resumed master must listen where its agents look for it: free that port"),
+            )
+        elif exc.errno == errno.EADDRINUSE:
             where, hint = "master.port", "choose another master.port, or 0 for any free one"
         else:
             where, hint = "master.host", "set master.host to an address of this machine"
         message = f"the master cannot listen on {host}:{port}: {why}; {hint}"
         raise ConfigError([resolved.issue(where, message)], resolved.source) from None
+
+
+TOKEN_FILE = "token"
+LOCK_FILE = "master.lock"
+
+
+def _write_token(run_dir: Path, token: str) -> None:
+    """The job's token, for a master resumed on this run directory (0600, like the rest)."""
+    fd = os.open(run_dir / TOKEN_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+
+
+def _lock(run_dir: Path) -> int:
+    """Hold the run directory's master lock for this process's life: one master per run.
+    Raises :class:`JournalError` when another master holds it."""
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise JournalError(
+            f"a master (pid {holder}) is still running the job of {run_dir}: stop it first, "
+            "or let it go on"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
+
+
+def _settings(
+    resolved: ResolvedConfig, manager: PluginManager, spec: JobSpec, preflight_only: bool
+) -> JobSettings:
+    config = resolved.config
+    return JobSettings(
+        spec=spec,
+        min_nodes=config.job.nodes.min,
+        max_nodes=config.job.nodes.max,
+        node_unit=config.job.node_unit,
+        join_grace=config.rendezvous.join_grace,
+        join_timeout=config.rendezvous.join_timeout,
+        diagnosis=master_policy(resolved, manager, preflight_only),
+    )
 
 
 async def run_job(
@@ -218,11 +284,65 @@ async def run_job(
 ) -> tuple[Summary, Path]:
     """Run the job to its end: (its summary, its run directory). ``preflight_only``: only
     the pre-flight node check (no worker starts). SIGINT and SIGTERM stop the job."""
-    hooks = hooks or RunHooks()
-    config = resolved.config
-    job = config.job
     run_id, run_dir = _run_dir(resolved)
     token = secrets.token_urlsafe(32)
+    _write_token(run_dir, token)
+    spec = _job_spec(resolved, run_id, run_dir, preflight_only)
+    dump = resolved.dump()
+    dump["job"]["workdir"] = spec.workdir  # absolute: a resumed master may run elsewhere
+    journal = Journal.create(
+        run_dir,
+        {"config": dump, "source": resolved.source, "spec": spec.model_dump(mode="json")},
+    )
+    master = _master(resolved, manager, spec, run_dir, hooks or RunHooks(), preflight_only)
+    master.keep_journal(journal)
+    return await _run(resolved, master, token, hooks or RunHooks(), None), run_dir
+
+
+async def resume_job(run_dir: Path, hooks: RunHooks | None = None) -> tuple[Summary, Path]:
+    """Take over the job of ``run_dir`` whose master died (``planaria run --resume``): its
+    config, state and nodes come from the run directory's journal; the agents, which kept
+    their workers training, re-attach. Raises :class:`JournalError` (or ``ConfigError``) when
+    there is nothing to resume."""
+    hooks = hooks or RunHooks()
+    run_dir = run_dir.absolute()
+    journal, journalled = Journal.open(run_dir)
+    try:
+        state = journalled.parts.get("job", {}).get("state", JobState.STARTING.value)
+        if JobState(state).terminal:
+            raise JournalError(
+                f"the job of {run_dir} has ended ({state}: "
+                f"{journalled.parts['job'].get('reason', '')}): there is nothing to resume"
+            )
+        if state in (JobState.STARTING.value, JobState.PREFLIGHT.value):
+            raise JournalError(
+                f"the master of {run_dir} died before its job began training ({state}): "
+                "start the job again instead"
+            )
+        raw = RawConfig(
+            journalled.meta["config"], source=f"{run_dir / 'master.db'} (the journalled config)"
+        )
+        resolved, manager = load_raw(raw)
+        spec = JobSpec.model_validate(journalled.meta["spec"])
+        token = (run_dir / TOKEN_FILE).read_text().strip()
+        master = _master(resolved, manager, spec, run_dir, hooks, preflight_only=False)
+        master.resume(journalled)
+    except BaseException:
+        journal.close()
+        raise
+    master.keep_journal(journal)
+    server = journalled.meta.get("server") or {}
+    return await _run(resolved, master, token, hooks, journalled, port=server.get("port")), run_dir
+
+
+def _master(
+    resolved: ResolvedConfig,
+    manager: PluginManager,
+    spec: JobSpec,
+    run_dir: Path,
+    hooks: RunHooks,
+    preflight_only: bool,
+) -> Master:
     chosen = resolved.backends["scheduler"]
     scheduler: Scheduler[Any] = manager.build(
         PluginKind.SCHEDULER,
@@ -234,41 +354,55 @@ async def run_job(
         hooks.on_event(event)
         manager.emit(event)
 
-    settings = JobSettings(
-        spec=_job_spec(resolved, run_id, run_dir, preflight_only),
-        min_nodes=job.nodes.min,
-        max_nodes=job.nodes.max,
-        node_unit=job.node_unit,
-        join_grace=config.rendezvous.join_grace,
-        join_timeout=config.rendezvous.join_timeout,
-        diagnosis=master_policy(resolved, manager, preflight_only),
-    )
-    master = Master(settings, scheduler, run_dir, observe)
-    limits = ServerLimits(
-        request_timeout=config.master.request_timeout,
-        per_client=config.master.max_connections_per_client,
-    )
-    app_ = make_app(master, token, hold=config.master.heartbeat_interval, limits=limits)
-    server, port = await _serve(resolved, app_, master, run_dir)
-    wire = transport(config.master.host)
-    if wire.warning:
-        hooks.on_warning(wire.warning)
-    advertise = config.master.advertise or config.master.host
-    url = f"{wire.scheme}://{advertise}:{port}"
-    agents = LaunchSpec(
-        job=job.name,
-        command=(sys.executable, "-m", "planaria", "agent"),
-        env={MASTER_ENV: url, TOKEN_ENV: token},  # the token never shows in a command line
-        log_dir=run_dir / "logs" / "agents",
-        run_id=run_id,
-    )
-    hooks.on_start(settings.spec, url)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, master.stop, f"interrupted by {signal.Signals(sig).name}")
+    settings = _settings(resolved, manager, spec, preflight_only)
+    return Master(settings, scheduler, run_dir, observe)
+
+
+async def _run(
+    resolved: ResolvedConfig,
+    master: Master,
+    token: str,
+    hooks: RunHooks,
+    journalled: Journalled | None,
+    port: int | None = None,
+) -> Summary:
+    config = resolved.config
+    run_dir = master.run_dir
+    lock = _lock(run_dir)
     try:
-        summary = await hooks.follow(master, asyncio.ensure_future(supervise(master, agents)))
+        limits = ServerLimits(
+            request_timeout=config.master.request_timeout,
+            per_client=config.master.max_connections_per_client,
+        )
+        app_ = make_app(master, token, hold=config.master.heartbeat_interval, limits=limits)
+        server, port = await _serve(resolved, app_, master, run_dir, port)
+        assert master.journal is not None
+        master.journal.set_meta("server", {"host": config.master.host, "port": port})
+        wire = transport(config.master.host)
+        if wire.warning:
+            hooks.on_warning(wire.warning)
+        advertise = config.master.advertise or config.master.host
+        url = f"{wire.scheme}://{advertise}:{port}"
+        agents = LaunchSpec(
+            job=master.spec.job,
+            command=(sys.executable, "-m", "planaria", "agent"),
+            env={MASTER_ENV: url, TOKEN_ENV: token},  # the token never shows in a command line
+            log_dir=run_dir / "logs" / "agents",
+            run_id=master.spec.run_id,
+            detached=True,
+        )
+        hooks.on_start(master.spec, url)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, master.stop, f"interrupted by {signal.Signals(sig).name}")
+        try:
+            if journalled is not None:
+                await master.adopt(agents, journalled)
+            job = asyncio.ensure_future(supervise(master, None if journalled else agents))
+            return await hooks.follow(master, job)
+        finally:
+            await server.cleanup()
+            master.timeline.close()
+            master.journal.close()
     finally:
-        await server.cleanup()
-        master.timeline.close()
-    return summary, run_dir
+        os.close(lock)

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from planaria.diagnosis.messages import HangReport, HealthReport, PreflightPoll, PreflightResult
 from planaria.log import get_logger
 from planaria.master.job import Master
-from planaria.master.state import BadReport, RegistrationRefused
+from planaria.master.state import BadReport, Fenced, NotAttached, RegistrationRefused
 from planaria.protocol import (
     API_PREFIX,
     Ack,
@@ -29,6 +29,7 @@ from planaria.protocol import (
     Heartbeat,
     HeartbeatReply,
     JoinRequest,
+    ReattachRequest,
     RegisterReply,
     RegisterRequest,
     WorkersReport,
@@ -196,6 +197,7 @@ def make_app(
         finally:
             if guard is not None:
                 guard.handler_left()
+            master.write_journal()  # what the request changed is on disk before it is answered
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -208,6 +210,10 @@ def make_app(
             return await handler(request)
         except BadRequest as bad:
             return bad.response
+        except Fenced as exc:
+            return _error(410, str(exc), fenced=True)
+        except NotAttached as exc:
+            return _error(409, f"node {exc.args[0]!r}: re-attach first (a new master)")
         except KeyError as exc:
             return _error(404, f"unknown node {exc.args[0]!r}: register first")
         except BadReport as exc:
@@ -220,6 +226,9 @@ def make_app(
     async def register(request: web.Request) -> web.StreamResponse:
         body = await _body(request, RegisterRequest)
         return _json(RegisterReply(spec=master.register(body)))
+
+    async def reattach(request: web.Request) -> web.StreamResponse:
+        return _json(master.reattach(await _body(request, ReattachRequest)))
 
     async def join(request: web.Request) -> web.StreamResponse:
         return _json(await master.join(await _body(request, JoinRequest)))
@@ -265,6 +274,7 @@ def make_app(
     app.add_routes(
         [
             web.post(f"{API_PREFIX}/register", register),
+            web.post(f"{API_PREFIX}/reattach", reattach),
             web.post(f"{API_PREFIX}/rendezvous/join", join),
             web.post(f"{API_PREFIX}/heartbeat", heartbeat),
             web.post(f"{API_PREFIX}/workers", workers),

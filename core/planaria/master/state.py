@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from planaria.diagnosis.policy import DiagnosisPolicy
 from planaria.master.policy import Rules
@@ -28,6 +30,15 @@ class RegistrationRefused(PermissionError):
     def __init__(self, message: str, *, retry: bool = False) -> None:
         super().__init__(message)
         self.retry = retry
+
+
+class Fenced(PermissionError):
+    """A request from a node the master declared lost: it must stop (its replacement may be
+    training in its place)."""
+
+
+class NotAttached(Exception):
+    """A request from a node that has not re-attached to this (restarted) master yet."""
 
 
 class JobState(str, Enum):
@@ -75,10 +86,42 @@ class Node:
     """Set to end the node's long poll early: an action for it, or news for the pre-flight."""
     step: int = -1
     memory: list[MemoryHolding] = field(default_factory=list)
+    attached: bool = True
+    """False from a restarted master's start until the node's agent re-attaches (tells what
+    it runs): until then the master refuses its other requests with "re-attach first"."""
+    on_change: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
+    """Told the node's id when a field the journal keeps changes."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in _JOURNALLED and self.on_change is not None:
+            self.on_change(self.node_id)
 
     def send(self, action: Action) -> None:
         self.action = action
         self.wake.set()
+
+    def record(self) -> dict[str, Any]:
+        """The node as the journal keeps it: who it is and where it stands, not its traffic."""
+        return {
+            "node_id": self.node_id,
+            "host": self.host,
+            "phase": self.phase.value,
+            "addr": self.addr,
+            "pid": self.pid,
+            "memory": [m.model_dump(mode="json") for m in self.memory],
+        }
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Node:
+        node = cls(str(record["node_id"]), str(record["host"]), NodePhase(record["phase"]))
+        node.addr = str(record.get("addr") or "")
+        node.pid = record.get("pid")
+        node.memory = [MemoryHolding.model_validate(m) for m in record.get("memory") or []]
+        return node
+
+
+_JOURNALLED = frozenset({"host", "phase", "addr", "pid", "memory"})
 
 
 @dataclass(frozen=True)

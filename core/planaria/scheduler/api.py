@@ -45,6 +45,10 @@ class LaunchSpec(BaseModel):
     log_dir: Path | None = None
     run_id: str = ""
     """The run's id: what a node puts in /dev/shm is named ``planaria-<run_id>-...``."""
+    detached: bool = False
+    """The nodes outlive the process that launched them: their agents stop by themselves
+    once the master has been gone for its grace, and a restarted master adopts them
+    (:meth:`Scheduler.adopt`). Otherwise a scheduler that can ties them to the launcher."""
 
 
 class NodeHandle(BaseModel):
@@ -56,6 +60,9 @@ class NodeHandle(BaseModel):
     node_id: str
     host: str
     state: NodeState = NodeState.PENDING
+    data: dict[str, str] = Field(default_factory=dict)
+    """What the scheduler needs to find the node again (:meth:`Scheduler.adopt`): kept in
+    the master's journal, never shown to agents."""
 
 
 class NodeEvent(BaseModel):
@@ -172,6 +179,18 @@ class Scheduler(ABC, Generic[OptionsT]):
     @abstractmethod
     def stop(self, node_ids: list[str] | None = None) -> None:
         """Stop the given nodes, or every node of the job; idempotent. No process survives."""
+
+    def adopt(self, spec: LaunchSpec, handles: list[NodeHandle], excluded: set[str]) -> None:
+        """Take over the nodes of a job whose master restarted: ``handles`` are every node
+        the earlier master had (as :meth:`launch` and :meth:`replace` returned them, gone ones
+        included), ``spec`` what they run, ``excluded`` the hosts it had excluded. From then
+        on :meth:`poll`, :meth:`replace` and :meth:`stop` work on them as on nodes this
+        scheduler started; one that is no longer there is reported ``lost`` by the next poll.
+        A scheduler that cannot find its nodes again raises :class:`SchedulerError`."""
+        raise SchedulerError(
+            f"the {self.name} scheduler cannot take over the nodes of a running job, so a "
+            "restarted master cannot resume it"
+        )
 
     def excluded_hosts(self) -> set[str]:
         """Hosts this scheduler will not place nodes on any more."""

@@ -8,12 +8,14 @@ Nodes get virtual host names (``local-0``, ``local-1``, ...) so that host exclus
 exercised on one machine: with ``hosts: 0`` every node has a host of its own, with ``hosts: N``
 nodes cycle through N names and excluded names are skipped.
 
-Threads: every node is started with ``PR_SET_PDEATHSIG=SIGKILL``, so the nodes die with the
-process that started them, even when it is killed with SIGKILL. Linux sends that signal when the
-*thread* that forked the node exits, not the process. Call :meth:`LocalScheduler.launch` and
-:meth:`LocalScheduler.replace` (the methods that start processes) from one long-lived thread,
-as the master does with its single-thread scheduler executor; a call from another thread raises
-:class:`~planaria.errors.SchedulerError` instead of leaving nodes tied to a short-lived thread.
+The nodes outlive the master. An agent whose master is gone keeps its workers training for
+the job's ``master.grace`` and then stops them and exits by itself, so a master restarted on the
+run directory (``planaria run --resume``) takes the nodes over (:meth:`LocalScheduler.adopt`):
+it is not their parent, so it watches them through pidfds, cannot read their exit status, and
+signals a node's group only while the node's process is the one it adopted (same pid, same start
+time). Call :meth:`LocalScheduler.launch` and :meth:`LocalScheduler.replace` (the methods that
+start processes) from one long-lived thread, as the master does with its single-thread
+scheduler executor; a call from another thread raises :class:`~planaria.errors.SchedulerError`.
 None of the methods is thread-safe, but
 :meth:`~planaria.scheduler.api.Scheduler.interrupt`: a launch stops between two nodes when it
 is called.
@@ -23,9 +25,8 @@ have at most ``max_nodes`` nodes (by default 4 per CPU), and as many workers as
 :mod:`planaria.capacity` allows for this machine's CPUs and process table; this is checked when
 the config loads, and the node count again at every launch. A fork storm is refused, not begun.
 
-Nodes are started, and their groups killed, through :mod:`planaria.process` (which says how
-the death signal is set in a threaded process); the pid the scheduler watches is the agent's own.
-Only the agent gets the death signal; the agent arranges the same for the workers it starts.
+Nodes are started, and their groups killed, through :mod:`planaria.process`; the pid the
+scheduler watches is the agent's own. The agent ties the workers it starts to itself.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,12 +104,47 @@ class LocalOptions(BaseModel):
         return self.max_nodes or max(MIN_MAX_NODES, NODES_PER_CPU * usable_cpus())
 
 
+def start_time(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot, ``/proc/PID/stat`` field 22):
+    with the pid, it names one process for good; None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: count from its end.
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    return fields[19].decode() if len(fields) > 19 and fields[0] != b"Z" else None
+
+
+class _Adopted:
+    """A node process the master before this one started: not a child of this process, so
+    its exit is seen (pidfd, /proc) but its status is unknown. What of ``subprocess.Popen``
+    the scheduler uses."""
+
+    def __init__(self, pid: int, started: str) -> None:
+        self.pid = pid
+        self.started = started
+        self.returncode: int | None = None
+
+    def exited(self) -> bool:
+        if self.returncode is None and start_time(self.pid) != self.started:
+            self.returncode = -signal.SIGKILL
+        return self.returncode is not None
+
+    def wait(self) -> int:
+        while not self.exited():
+            time.sleep(_POLL_INTERVAL)
+        assert self.returncode is not None
+        return self.returncode
+
+
 @dataclass(eq=False)
 class _Node:
     node_id: str
     host: str
     spec: LaunchSpec
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | _Adopted
     pidfd: int | None
     state: NodeState = NodeState.RUNNING
     released: bool = False
@@ -149,7 +186,13 @@ def _has_exited(pid: int) -> bool:
         raise _ReapedElsewhere from None
 
 
-def _exit_event(node_id: str, returncode: int) -> NodeEvent:
+def _exit_event(node_id: str, returncode: int, adopted: bool = False) -> NodeEvent:
+    if adopted:
+        return NodeEvent(
+            node_id=node_id,
+            state=NodeState.LOST,
+            reason="exited; its status is unknown to a master that took the node over",
+        )
     if returncode == 0:
         return NodeEvent(node_id=node_id, state=NodeState.SUCCEEDED)
     if returncode > 0:
@@ -318,6 +361,37 @@ class LocalScheduler(Scheduler[LocalOptions]):
                 if node.spec.run_id:
                     remove_dir(node_dir(node.spec.run_id, node.node_id))
 
+    def adopt(self, spec: LaunchSpec, handles: list[NodeHandle], excluded: set[str]) -> None:
+        """Take over the nodes a master before this one started (the module docstring says
+        how they are watched); those that have ended meanwhile are reported lost."""
+        self._check_thread()
+        self._excluded |= excluded
+        for handle in handles:
+            number = handle.node_id.removeprefix("node-")
+            if number.isdigit():
+                self._next_number = max(self._next_number, int(number) + 1)
+            pid, started = handle.data.get("pid", ""), handle.data.get("start", "")
+            if not pid.isdigit() or not started:  # it was waiting for a slot: it still does
+                if handle.state is not NodeState.LOST:
+                    self._queue[handle.node_id] = (spec, set(self._excluded))
+                continue
+            proc = _Adopted(int(pid), started)
+            node = _Node(handle.node_id, handle.host, spec, proc, None)
+            self._nodes[handle.node_id] = node
+            if handle.state is NodeState.LOST or proc.exited():
+                proc.returncode = proc.returncode or -signal.SIGKILL
+                node.state = NodeState.LOST
+                if handle.state is not NodeState.LOST:  # it ended while no master watched
+                    self._events.append(_exit_event(node.node_id, -1, adopted=True))
+                continue
+            node.pidfd = _open_pidfd(proc.pid)
+            if not proc.exited():  # the pidfd names the process we checked
+                log.info("node adopted", node=node.node_id, host=node.host, pid=proc.pid)
+                continue
+            node.close_pidfd()
+            node.state = NodeState.LOST
+            self._events.append(_exit_event(node.node_id, -1, adopted=True))
+
     def excluded_hosts(self) -> set[str]:
         return set(self._excluded)
 
@@ -417,7 +491,12 @@ class LocalScheduler(Scheduler[LocalOptions]):
             ) from exc
         try:
             proc = process.popen(
-                spec.command, env=env, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd
+                spec.command,
+                die_with_parent=not spec.detached,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log_fd,
+                stderr=log_fd,
             )
         except OSError as exc:
             raise SchedulerError(f"cannot start {node_id} ({spec.command[0]}): {exc}") from exc
@@ -432,7 +511,13 @@ class LocalScheduler(Scheduler[LocalOptions]):
         return node
 
     def _handle(self, node: _Node) -> NodeHandle:
-        return NodeHandle(node_id=node.node_id, host=node.host, state=NodeState.PENDING)
+        started = start_time(node.pid) or ""
+        return NodeHandle(
+            node_id=node.node_id,
+            host=node.host,
+            state=NodeState.PENDING,
+            data={"pid": str(node.pid), "start": started},
+        )
 
     def _get(self, node_id: str) -> _Node:
         node = self._nodes.get(node_id)
@@ -451,6 +536,16 @@ class LocalScheduler(Scheduler[LocalOptions]):
         """Turn every exit of a watched node into an event."""
         for node in self._nodes.values():
             if node.released or node.reaped:
+                continue
+            if isinstance(node.proc, _Adopted):
+                if not node.proc.exited():
+                    continue
+                process.signal_group(node.pid, signal.SIGKILL)  # its workers, if any are left
+                self._collect(node)
+                event = _exit_event(node.node_id, -1, adopted=True)
+                node.state = event.state
+                self._events.append(event)
+                log.info("node exited", node=node.node_id, reason=event.reason)
                 continue
             try:
                 if not _has_exited(node.pid):
@@ -495,6 +590,11 @@ class LocalScheduler(Scheduler[LocalOptions]):
         signalled: their id cannot belong to anyone else."""
         nodes = [n for n in nodes if not n.reaped]
         for node in list(nodes):
+            if isinstance(node.proc, _Adopted):
+                if node.proc.exited():  # its pid may be someone else's by now
+                    node.close_pidfd()
+                    nodes.remove(node)
+                continue
             try:
                 _has_exited(node.pid)
             except _ReapedElsewhere:  # its pid may be someone else's by now: never signal it

@@ -1,0 +1,152 @@
+"""The master's journal: the job's state in SQLite in the run directory, so that a master
+restarted on it (``planaria run --resume RUN_DIR``) picks the job up where the last one died.
+
+What it keeps: what the job was started with (the config, the agents' job spec, the API's
+address, the scheduler's node handles), and where it stands (the job's state, its rounds and
+ranks, the restart budget spent, the faults and what became of them, the committed checkpoints,
+every node's phase). Not the traffic: heartbeats and step counts are not decisions, and the
+agents bring their own state back when they re-attach.
+
+Each change is a transaction of its own, in WAL mode with ``synchronous=FULL``: once the
+master has acted on a decision (answered an agent, asked the scheduler), it is on disk. The
+master writes after every request it handled and every tick (:meth:`Journal.write`); only what
+changed is written: nodes tell the journal when a field it keeps changes, the job-wide parts
+are compared with what was written last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from planaria.errors import PlanariaError
+
+if TYPE_CHECKING:
+    from planaria.master.state import Node
+
+NAME = "master.db"
+SCHEMA = 1
+
+
+class JournalError(PlanariaError):
+    """The run directory has no journal a master can resume from, or it cannot be read."""
+
+
+@dataclass(frozen=True)
+class Journalled:
+    """What a journal holds, read back."""
+
+    meta: dict[str, Any]
+    parts: dict[str, Any]
+    nodes: dict[str, dict[str, Any]]
+    handles: dict[str, dict[str, Any]]
+
+
+class Journal:
+    def __init__(self, path: Path, connection: sqlite3.Connection) -> None:
+        self.path = path
+        self._db = connection
+        self._written: dict[str, str] = {}
+        self._same: dict[str, Any] = {}
+        self._dirty: set[str] = set()
+
+    @classmethod
+    def create(cls, run_dir: Path, meta: dict[str, Any]) -> Journal:
+        path = run_dir / NAME
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        os.close(fd)
+        journal = cls(path, _connect(path))
+        with journal._db:
+            journal._db.executescript(
+                """
+                CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+                CREATE TABLE parts (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+                CREATE TABLE nodes (node_id TEXT PRIMARY KEY, value TEXT NOT NULL);
+                CREATE TABLE handles (node_id TEXT PRIMARY KEY, value TEXT NOT NULL);
+                """
+            )
+            journal._db.executemany(
+                "INSERT INTO meta VALUES (?, ?)",
+                [(k, json.dumps(v)) for k, v in {**meta, "schema": SCHEMA}.items()],
+            )
+        return journal
+
+    @classmethod
+    def open(cls, run_dir: Path) -> tuple[Journal, Journalled]:
+        path = run_dir / NAME
+        if not path.is_file():
+            raise JournalError(
+                f"{run_dir} holds no master journal ({NAME}): it is not a planaria run "
+                "directory, or its job was started by a planaria without one"
+            )
+        try:
+            db = _connect(path)
+            meta = {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM meta")}
+            parts = {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM parts")}
+            nodes = {k: json.loads(v) for k, v in db.execute("SELECT node_id, value FROM nodes")}
+            handles = {
+                k: json.loads(v) for k, v in db.execute("SELECT node_id, value FROM handles")
+            }
+        except (sqlite3.Error, json.JSONDecodeError) as exc:
+            raise JournalError(f"cannot read the master journal {path}: {exc}") from None
+        if meta.get("schema") != SCHEMA:
+            raise JournalError(
+                f"the master journal {path} has schema {meta.get('schema')!r}; this planaria "
+                f"reads schema {SCHEMA}"
+            )
+        journal = cls(path, db)
+        journal._written = {k: json.dumps(v, sort_keys=True) for k, v in parts.items()}
+        return journal, Journalled(meta, parts, nodes, handles)
+
+    def set_meta(self, key: str, value: Any) -> None:
+        with self._db:
+            self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, json.dumps(value)))
+
+    def node_changed(self, node_id: str) -> None:
+        self._dirty.add(node_id)
+
+    def write(self, parts: dict[str, Any], nodes: Mapping[str, Node]) -> bool:
+        """Write the parts that differ from what was written last, and the nodes that
+        changed; whether anything was written. ``clock``: the time of the last write."""
+        changed = {}
+        for key, value in parts.items():
+            if self._same.get(key) is value:  # the very object written last: unchanged
+                continue
+            text = json.dumps(value, sort_keys=True)
+            if self._written.get(key) != text:
+                changed[key] = text
+            self._same[key] = value
+        dirty = [(n, json.dumps(nodes[n].record())) for n in self._dirty if n in nodes]
+        self._dirty.clear()
+        if not changed and not dirty:
+            return False
+        changed["clock"] = json.dumps(time.time())
+        with self._db:
+            self._db.executemany("INSERT OR REPLACE INTO parts VALUES (?, ?)", changed.items())
+            self._db.executemany("INSERT OR REPLACE INTO nodes VALUES (?, ?)", dirty)
+        self._written.update(changed)
+        return True
+
+    def handles(self, handles: list[dict[str, Any]]) -> None:
+        """The scheduler's handles of new nodes (``node_id`` in each), in one transaction."""
+        with self._db:
+            self._db.executemany(
+                "INSERT OR REPLACE INTO handles VALUES (?, ?)",
+                [(h["node_id"], json.dumps(h)) for h in handles],
+            )
+
+    def close(self) -> None:
+        self._db.close()
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    db = sqlite3.connect(path, check_same_thread=False)  # `with db:` is one transaction
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=FULL")
+    return db

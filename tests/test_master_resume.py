@@ -1,0 +1,212 @@
+"""A master that dies does not end the job: its agents keep the workers training for
+``master.grace`` and re-attach to a master resumed on the run directory
+(``planaria run --resume``), which goes on with the same round from its journal.
+
+Real processes throughout: ``planaria run`` is SIGKILLed from outside mid-training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_run import EXAMPLE, job, mark, run, start  # noqa: F401  (mark: a fixture)
+
+torch = pytest.importorskip("torch")
+
+STEPS = 60
+
+
+def _config(tmp_path: Path, grace: str, **extra: object) -> Path:
+    out = tmp_path / "final.pt"
+    return job(
+        tmp_path,
+        job={
+            "command": [
+                sys.executable,
+                str(EXAMPLE),
+                "--steps",
+                str(STEPS),
+                "--ckpt-every",
+                "5",
+                "--out",
+                str(out),
+            ],
+            "nodes": 2,
+            "procs_per_node": 1,
+            "max_restarts": 2,
+        },
+        master={"heartbeat_interval": "0.5s", "heartbeat_timeout": "10s", "grace": grace},
+        **extra,
+    )
+
+
+def _run_dir(tmp_path: Path) -> Path:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        found = list(tmp_path.glob("planaria-runs/*/master.db"))
+        if found:
+            return found[0].parent
+        time.sleep(0.1)
+    raise AssertionError("no run directory appeared")
+
+
+def _step(run_dir: Path) -> int:
+    """The last step rank 0 logged."""
+    log = run_dir / "logs" / "rank-0.log"
+    if not log.exists():
+        return -1
+    steps = [
+        int(line.split()[1]) for line in log.read_text().splitlines() if line.startswith("step ")
+    ]
+    return max(steps, default=-1)
+
+
+def _wait_step(run_dir: Path, step: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while _step(run_dir) < step:
+        assert time.monotonic() < deadline, f"training did not reach step {step}"
+        time.sleep(0.1)
+
+
+def _events(run_dir: Path) -> list[dict[str, object]]:
+    lines = (run_dir / "events.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def _weights(path: Path) -> dict[str, object]:
+    return torch.load(path, weights_only=True)
+
+
+def _agent_pids(run_dir: Path) -> list[int]:
+    db = sqlite3.connect(run_dir / "master.db")
+    try:
+        rows = db.execute("SELECT value FROM nodes").fetchall()
+    finally:
+        db.close()
+    return [json.loads(v)["pid"] for (v,) in rows if json.loads(v)["pid"]]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return (
+        Path(f"/proc/{pid}").exists()
+        and "Z" not in (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0])
+    )
+
+
+def test_a_master_killed_mid_training_and_resumed_loses_no_step(tmp_path, mark):
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    result = run(clean, mark, str(_config(clean, "30s")))
+    assert result.returncode == 0, result.stdout[-3000:]
+
+    faulty = tmp_path / "faulty"
+    faulty.mkdir()
+    proc = start(faulty, mark, str(_config(faulty, "30s")))
+    try:
+        run_dir = _run_dir(faulty)
+        _wait_step(run_dir, 15)
+        agents = _agent_pids(run_dir)
+        assert len(agents) == 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        killed_at = _step(run_dir)
+        # The workers go on training without any master.
+        _wait_step(run_dir, killed_at + 3, timeout=30)
+        assert all(_alive(pid) for pid in agents)
+        resumed = run(faulty, mark, "--resume", str(run_dir))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    events = _events(run_dir)
+    kinds = [e["kind"] for e in events]
+    assert "master_resumed" in kinds
+    assert kinds.count("node_reattached") == 2
+    assert "workers_restarted" not in kinds
+    assert "fault_detected" not in kinds
+    reattached = [e for e in events if e["kind"] == "node_reattached"]
+    assert all(not e["data"]["restarted"] for e in reattached)
+    assert kinds[-1] == "job_finished"
+    # One start of the workers: the rank-0 log never says it resumed from a checkpoint.
+    assert "resumed from step" not in (run_dir / "logs" / "rank-0.log").read_text()
+    a, b = _weights(clean / "final.pt"), _weights(faulty / "final.pt")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_agents_stop_their_workers_once_the_master_is_gone_for_the_grace(tmp_path, mark):
+    proc = start(tmp_path, mark, str(_config(tmp_path, "3s")))
+    try:
+        run_dir = _run_dir(tmp_path)
+        _wait_step(run_dir, 3)
+        agents = _agent_pids(run_dir)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        killed = time.monotonic()
+        deadline = killed + 30
+        while any(_alive(pid) for pid in agents):
+            assert time.monotonic() < deadline, "agents outlived the grace by far"
+            time.sleep(0.1)
+        gone_after = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    assert gone_after >= 3.0  # they waited the grace first
+    logs = "".join(p.read_text() for p in (run_dir / "logs" / "agents").glob("*.log"))
+    assert "the master has been gone for the grace" in logs
+    # Resumed after its agents gave up, the job still goes on: the new master finds the
+    # nodes gone (the scheduler reports them lost), replaces them and they restore from
+    # storage.
+    resumed = run(tmp_path, mark, "--resume", str(run_dir), timeout=180)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    after = _events(run_dir)
+    first = next(i for i, e in enumerate(after) if e["kind"] == "master_resumed")
+    kinds = [e["kind"] for e in after[first:]]
+    assert kinds.count("node_replaced") == 2
+    assert "node_reattached" not in kinds
+    assert kinds[-1] == "job_finished"
+
+
+def test_resume_refuses_a_run_that_ended_or_is_not_one(tmp_path, mark):
+    config = _config(tmp_path, "5s")
+    done = run(tmp_path, mark, str(config), "--", sys.executable, "-c", "pass")
+    assert done.returncode == 0, done.stdout[-2000:]
+    (run_dir,) = (p.parent for p in tmp_path.glob("planaria-runs/*/master.db"))
+    again = run(tmp_path, mark, "--resume", str(run_dir))
+    assert again.returncode == 2
+    assert "has ended (succeeded" in again.stdout + again.stderr
+    nothing = run(tmp_path, mark, "--resume", str(tmp_path))
+    assert nothing.returncode == 2
+    assert "holds no master journal" in nothing.stdout + nothing.stderr
+
+
+def test_a_second_master_on_a_live_run_is_refused(tmp_path, mark):
+    proc = start(tmp_path, mark, str(_config(tmp_path, "10s")))
+    try:
+        run_dir = _run_dir(tmp_path)
+        _wait_step(run_dir, 2)
+        second = run(tmp_path, mark, "--resume", str(run_dir))
+        assert second.returncode == 2
+        assert "is still running the job" in second.stdout + second.stderr
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
