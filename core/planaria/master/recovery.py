@@ -20,6 +20,7 @@ from planaria.master.fleet import Fleet
 from planaria.master.policy import (
     PREFLIGHT_SOURCES,
     Act,
+    Crash,
     Decision,
     FaultType,
     NodeFault,
@@ -28,6 +29,7 @@ from planaria.master.policy import (
     Situation,
     Source,
     decide,
+    remember,
 )
 from planaria.master.rounds import Rounds
 from planaria.master.state import Node, NodePhase
@@ -66,6 +68,10 @@ class Recovery:
         self.restarts = 0
         self.preflight_replaced = 0
         """Nodes the pre-flight check had replaced: it may not ask for more than ``max``."""
+        self.crashes: tuple[Crash, ...] = ()
+        """Each rank's last failure before any step (a crash loop's memory)."""
+        self._stepped: set[int] = set()
+        """Rounds that completed a step: their failures are no crash loop's."""
 
     def situation(self, but: str | None = None) -> Situation:
         return Situation(
@@ -74,6 +80,7 @@ class Recovery:
             stopping=self.job.stopping,
             nodes_left=self.fleet.alive(but=but) + self.fleet.replacing(),
             preflight_replaced=self.preflight_replaced,
+            crashes=self.crashes,
         )
 
     def report(
@@ -84,6 +91,7 @@ class Recovery:
         before: Callable[[Decision], None] | None = None,
     ) -> Decision:
         node = self.fleet.nodes[fault.node]
+        crashes = tuple(c for c in fault.crashes if c.round not in self._stepped)
         event = NodeFault(
             type=type_,
             source=source,
@@ -93,8 +101,10 @@ class Recovery:
             reason=fault.reason,
             in_world=node.node_id in self.rounds.world,
             node_gone=node.phase.gone,
+            crashes=crashes,
         )
         decision = decide(self.rules, self.situation(but=node.node_id), event)
+        self.crashes = remember(self.crashes, crashes)
         fault.action = decision.action
         if before is not None:
             before(decision)
@@ -224,6 +234,9 @@ class Recovery:
     def first_step(self, round_: int, at: float, first: int | None) -> None:
         """Round ``round_`` completed its first step (``first``) at ``at``: the faults that
         restarted it are recovered."""
+        if round_ not in self._stepped:  # a failure reported first was no crash loop's
+            self._stepped.add(round_)
+            self.crashes = tuple(c for c in self.crashes if c.round != round_)
         for fault in self.faults:
             if fault.restart_round == round_ and fault.recovered_at is None:
                 fault.recovered_at = at
