@@ -119,6 +119,12 @@ BAD = [
     ("jobs: {}", "jobs", "did you mean 'job'"),
     ("diagnosis: {checks: [nosuch]}", "diagnosis.checks[0].backend", "Choose one of: "),
     (
+        "diagnosis: {crash_loop_rounds: -1}",
+        "diagnosis.crash_loop_rounds",
+        "greater than or equal to 0",
+    ),
+    ("diagnosis: {crash_loop_rounds: twice}", "diagnosis.crash_loop_rounds", "valid integer"),
+    (
         "diagnosis: {checks: [{backend: host, timeout: abc}]}",
         "diagnosis.checks[0].timeout",
         "invalid duration 'abc'",

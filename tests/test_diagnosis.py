@@ -18,7 +18,7 @@ from planaria import monitor
 from planaria.chaos import ChaosRule
 from planaria.config.loader import parse_text
 from planaria.config.resolve import load_raw
-from planaria.diagnosis.classify import Classifier
+from planaria.diagnosis.classify import Classifier, exception_line
 from planaria.diagnosis.gate import bind_checks, check_node
 from planaria.diagnosis.hang import HangWatch
 from planaria.diagnosis.messages import CheckSpec, DiagnosisSpec
@@ -26,9 +26,11 @@ from planaria.diagnosis.stacks import dump_stack, find_py_spy, truncate
 from planaria.diagnosis.stragglers import RankTimes, StepTimes, StragglerDetector
 from planaria.errors import ConfigError
 from planaria.fault_pattern.api import FaultClass, FaultPattern
+from planaria.master.diagnosis import last_words
 from planaria.plugin import hookimpl
 from planaria.plugin.manager import PluginManager
 from planaria.progress import Progress, ProgressBoard
+from planaria.protocol import WorkerFailure
 
 TRACEBACK = """\
 Traceback (most recent call last):
@@ -69,6 +71,29 @@ def test_exit_status_alone_when_the_log_says_nothing():
     assert (segv.kind, segv.reason) == (FaultClass.TRANSIENT, "killed by SIGSEGV")
     plain = classify("bye\n", exitcode=3)
     assert (plain.kind, plain.reason, plain.source) == (FaultClass.TRANSIENT, "exit code 3", "exit")
+
+
+def test_a_crash_is_told_by_its_last_exception_line_else_by_how_it_ended():
+    chained = (
+        TRACEBACK.format(last="KeyError: 'lr'")
+        + "\nDuring handling of the above exception, another exception occurred:\n\n"
+        + TRACEBACK.format(last="ModuleNotFoundError: No module named 'xyz'")
+        + "a line the program printed after it\n"
+    )
+    assert exception_line(chained) == "ModuleNotFoundError: No module named 'xyz'"
+    assert exception_line("ValueError: not in a traceback\n") == ""
+
+    def failure(tail: str, exitcode: int | None, sig: int | None, how: str) -> WorkerFailure:
+        return WorkerFailure(
+            local_rank=0, rank=3, pid=1, exitcode=exitcode, signal=sig, time=0.0,
+            log_tail=tail, description=how,
+        )  # fmt: skip
+
+    assert last_words(failure(chained, 1, None, "exit code 1")) == exception_line(chained)
+    assert last_words(failure("bye\n", 3, None, "exit code 3")) == "exit code 3"
+    # A signal says more than a traceback the worker printed (and caught) before it.
+    killed = failure(chained, None, signal.SIGKILL, "killed by SIGKILL")
+    assert last_words(killed) == "killed by SIGKILL"
 
 
 def test_config_patterns_come_first_then_plugins_then_the_built_in_ones():

@@ -281,3 +281,61 @@ def test_a_straggler_is_reported_once_and_its_node_replaced(tmp_path, mark):
     assert any(e["kind"] == "recovered" and e["data"]["fault"] == "straggler" for e in timeline)
     summary = " ".join(result.stdout.split())
     assert "stragglers" in summary and "busy" in summary
+
+
+MISSING = "ModuleNotFoundError: No module named 'no_such_module_xyz'"
+
+
+def _crashing(tmp_path: Path, code: str, **diagnosis: object) -> Path:
+    return job(
+        tmp_path,
+        job={
+            "command": [sys.executable, "-c", code],
+            "nodes": 1,
+            "procs_per_node": 1,
+            "preload": [],
+            "max_restarts": 5,
+        },
+        diagnosis={"checks": [], **diagnosis},
+    )
+
+
+def test_a_crash_before_any_step_stops_the_job_in_its_second_round(tmp_path, mark):
+    result = run(tmp_path, mark, str(_crashing(tmp_path, "import no_such_module_xyz")))
+    assert result.returncode == 1, result.stdout + result.stderr
+    text = " ".join(result.stdout.split())
+    assert (
+        f"crash loop: rank 0 failed with {MISSING!r} twice, in 2 consecutive rounds, each time "
+        "before any step" in text
+    ), text
+    assert "diagnosis.crash_loop_rounds" in text
+    timeline = events(tmp_path)
+    restarted = [e for e in timeline if e["kind"] == "workers_restarted"]
+    assert len(restarted) == 1, [e["message"] for e in timeline]  # 2 rounds, 1 of 5 restarts
+    rounds = [e["data"]["round"] for e in timeline if e["kind"] == "fault_detected"]
+    assert rounds == [1, 2]
+    (stopped,) = [e for e in timeline if e["kind"] == "job_stopped"]
+    assert stopped["data"]["cause"] == "crash_loop"
+
+
+def test_a_crash_after_step_progress_is_restarted_as_before(tmp_path, mark):
+    stepping = "from planaria import monitor; monitor.step(0); import no_such_module_xyz"
+    result = run(tmp_path, mark, str(_crashing(tmp_path, stepping)))
+    assert result.returncode == 1, result.stdout + result.stderr
+    text = " ".join(result.stdout.split())
+    assert "restart budget spent (5 of 5 restarts used)" in text, text
+    assert "crash loop" not in text
+    timeline = events(tmp_path)
+    assert len([e for e in timeline if e["kind"] == "workers_restarted"]) == 5
+    (stopped,) = [e for e in timeline if e["kind"] == "job_stopped"]
+    assert stopped["data"]["cause"] == "restart_budget_spent"
+
+
+def test_crash_loop_rounds_0_restarts_a_crash_before_any_step_until_the_budget_is_spent(
+    tmp_path, mark
+):
+    config = _crashing(tmp_path, "import no_such_module_xyz", crash_loop_rounds=0)
+    result = run(tmp_path, mark, str(config), "--set", "job.max_restarts=2")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "restart budget spent (2 of 2 restarts used)" in " ".join(result.stdout.split())
+    assert len([e for e in events(tmp_path) if e["kind"] == "workers_restarted"]) == 2

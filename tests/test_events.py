@@ -117,3 +117,5 @@ def test_the_docs_list_every_kind_and_its_fields():
     assert table() in text, "docs/events.md is stale: paste planaria.events.table() into it"
     for kind in EventKind:
         assert f"`{kind.value}`" in text
+    for cause in StopCause:
+        assert f"`{cause.value}`" in text, f"docs/events.md does not name the cause {cause.value}"

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from planaria.master.job import Master
 from planaria.master.runner import supervise
@@ -135,5 +137,68 @@ def test_two_agents_form_a_round_over_http(tmp_path):
         async with session.get(url + "/status", headers=AUTH) as r:
             status = await r.json()
         assert status["state"] == "running" and status["round"] == 1
+
+    asyncio.run(with_master(tmp_path, body))
+
+
+MISSING = "ModuleNotFoundError: No module named 'no_such_module_xyz'"
+TRACEBACK = f'Traceback (most recent call last):\n  File "<string>", line 1, in <module>\n{MISSING}'
+
+
+@pytest.mark.parametrize("rank_0_stepped", [False, True])
+def test_a_crash_loop_counts_late_reports_and_not_rounds_that_stepped(tmp_path, rank_0_stepped):
+    """Two nodes whose workers fail on import: the second node's report of round 1 comes after
+    the restart, and still counts, so round 2's first report stops the job (with one restart
+    left). A round whose rank 0 completed a step is no crash loop's, even when another node's
+    workers did not step."""
+
+    async def body(master, session, url):
+        async def post(path: str, data: dict) -> dict:
+            async with session.post(url + path, json=data, headers=AUTH) as r:
+                assert r.status == 200, await r.text()
+                return await r.json()
+
+        for i in range(2):
+            reg = {"node_id": f"node-{i}", "host": f"local-{i}", "addr": "127.0.0.1", "pid": 1}
+            await post("/register", reg)
+
+        async def form_round() -> dict[int, str]:
+            async def join(i: int) -> dict:
+                req = {"node_id": f"node-{i}", "addr": "127.0.0.1", "port": 40000 + i}
+                return await post("/rendezvous/join", req)
+
+            replies = await asyncio.gather(join(0), join(1))
+            assert [r["state"] for r in replies] == ["ready", "ready"]
+            return {r["info"]["node_rank"]: f"node-{i}" for i, r in enumerate(replies)}
+
+        def failed(node: str, round_: int, rank: int) -> dict:
+            failure = {
+                "local_rank": rank % 2, "rank": rank, "pid": 1, "exitcode": 1, "signal": None,
+                "time": time.time(), "log_tail": TRACEBACK, "description": "exit code 1",
+            }  # fmt: skip
+            return {"node_id": node, "round": round_, "succeeded": False, "failure": failure}
+
+        nodes = await form_round()
+        await post("/workers", failed(nodes[1], 1, 2))
+        assert master.round == 2 and master.restarts == 1
+        await post("/workers", failed(nodes[0], 1, 0))  # late: round 2 is forming
+        assert master.restarts == 1 and not master.stopping
+        assert await form_round() == nodes
+        if rank_0_stepped:
+            now = time.time()
+            progress = [{"local_rank": 0, "step": 0, "time": now, "first_step": 0}]
+            beat = {"node_id": nodes[0], "round": 2, "activity": "running", "wait": False,
+                    "progress": progress, "first_step_time": now}  # fmt: skip
+            await post("/heartbeat", beat)
+            await post("/workers", failed(nodes[1], 2, 2))
+            assert master.stopping
+            assert master.reason.startswith("restart budget spent (1 of 1 restarts used)")
+        else:
+            await post("/workers", failed(nodes[0], 2, 0))
+            assert master.stopping
+            assert master.reason.startswith(f"crash loop: rank 0 failed with {MISSING!r} twice")
+        stopped = [e for e in master.timeline.events if e.kind.value == "job_stopped"]
+        cause = "restart_budget_spent" if rank_0_stepped else "crash_loop"
+        assert [e.data["cause"] for e in stopped] == [cause]
 
     asyncio.run(with_master(tmp_path, body))

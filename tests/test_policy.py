@@ -6,9 +6,11 @@ from dataclasses import replace
 
 import pytest
 
+from planaria.events import StopCause
 from planaria.master.policy import (
     CANNOT_START,
     Act,
+    Crash,
     Decision,
     FaultType,
     NodeFault,
@@ -17,6 +19,7 @@ from planaria.master.policy import (
     Situation,
     Source,
     decide,
+    remember,
 )
 
 RULES = Rules(max_restarts=3, min_nodes=2, max_nodes=4)
@@ -42,6 +45,18 @@ def preflight(source: Source = Source.PREFLIGHT) -> NodeFault:
 
 BEFORE_TRAINING = Situation(nodes_left=3)
 EXCLUDE = "replace the node, exclude host host-1"
+MISSING = "ModuleNotFoundError: No module named 'no_such_module_xyz'"
+LOOP = "stop: crash loop (diagnosis.crash_loop_rounds: 2)"
+RESTART = (Act.RESTART, "restart workers in place", False, False, True, True)
+AFTER_CRASH = replace(TRAINING, restarts=1, crashes=(Crash(1, MISSING, round=1),))
+"""Round 1 ended with rank 1's crash before any step; round 2 runs."""
+
+
+def crashed(type_: FaultType = FaultType.USER, rank: int = 1, error: str = MISSING,
+            round_: int = 2, source: Source = Source.WORKERS) -> NodeFault:  # fmt: skip
+    """Rank ``rank`` failed with ``error`` in round ``round_`` before any step."""
+    return fault(type_, source, crashes=(Crash(rank, error, round=round_),))
+
 
 # id, rules, situation, event, decision (act, action, remove, exclude_host, restart, record)
 ROWS = [
@@ -127,6 +142,37 @@ ROWS = [
     ("no replacement came while stopping", RULES, replace(TRAINING, stopping=True),
      ReplacementFailed("node-1", "interrupted"),
      (Act.NONE, "none (the job is stopping)", False, False, False, False)),
+    ("a first crash before any step restarts", RULES, TRAINING, crashed(round_=1), RESTART),
+    ("the same crash before any step in two rounds in a row stops", RULES, AFTER_CRASH,
+     crashed(), (Act.STOP, LOOP, False, False, False, True)),
+    ("an exit code after an exception is another failure: restarts", RULES, AFTER_CRASH,
+     replace(crashed(FaultType.TRANSIENT), crashes=(Crash(1, "exit code 1", round=2),)),
+     RESTART),
+    ("the same exit code before any step twice stops",
+     RULES, replace(AFTER_CRASH, crashes=(Crash(1, "exit code 1", round=1),)),
+     replace(crashed(FaultType.TRANSIENT), crashes=(Crash(1, "exit code 1", round=2),)),
+     (Act.STOP, LOOP, False, False, False, True)),
+    ("step progress in between: the same failure restarts", RULES, AFTER_CRASH,
+     fault(FaultType.USER), RESTART),
+    ("a round in between that made progress: the same crash restarts", RULES, AFTER_CRASH,
+     crashed(round_=3), RESTART),
+    ("a different error restarts", RULES, AFTER_CRASH, crashed(error="KeyError: 'lr'"),
+     RESTART),
+    ("the same error on another rank restarts", RULES, AFTER_CRASH, crashed(rank=2), RESTART),
+    ("crash_loop_rounds 0 never stops", replace(RULES, crash_loop_rounds=0), AFTER_CRASH,
+     crashed(), RESTART),
+    ("crash_loop_rounds 3 restarts after the second round", replace(RULES, crash_loop_rounds=3),
+     AFTER_CRASH, crashed(), RESTART),
+    ("crash_loop_rounds 3 stops at the third round", replace(RULES, crash_loop_rounds=3),
+     replace(AFTER_CRASH, crashes=(Crash(1, MISSING, round=2, rounds=2),)), crashed(round_=3),
+     (Act.STOP, "stop: crash loop (diagnosis.crash_loop_rounds: 3)", False, False, False,
+      True)),
+    ("a crash loop with the budget spent says it is a crash loop", RULES,
+     replace(AFTER_CRASH, restarts=3), crashed(), (Act.STOP, LOOP, False, False, False, True)),
+    ("a late crash never stops", RULES, AFTER_CRASH, crashed(source=Source.LATE),
+     (Act.NONE, "none (its round was restarted already)", False, False, False, False)),
+    ("a node fault before any step twice is still replaced", RULES, AFTER_CRASH,
+     crashed(FaultType.NODE), (Act.REPLACE, EXCLUDE, True, True, True, True)),
 ]  # fmt: skip
 
 
@@ -161,6 +207,31 @@ def test_stop_reasons_say_what_was_spent_and_what_happened():
         "node node-1 could not be replaced (no slot), and 1 node(s) are left: the job needs "
         "at least 2 (job.nodes)"
     )
+
+
+def test_a_crash_loop_says_which_rank_what_error_and_how_to_change_it():
+    loop = decide(RULES, AFTER_CRASH, crashed())
+    assert loop.cause is StopCause.CRASH_LOOP
+    assert loop.reason == (
+        f"crash loop: rank 1 failed with {MISSING!r} twice, in 2 consecutive rounds, each time "
+        "before any step; a restart would fail the same way. Fix the error, or set "
+        "diagnosis.crash_loop_rounds (now 2; 0 turns this off) to restart anyway"
+    )
+    once = decide(replace(RULES, crash_loop_rounds=1), TRAINING, crashed(round_=1))
+    assert once.act is Act.STOP
+    assert f"rank 1 failed with {MISSING!r} before any step; a restart" in once.reason
+
+
+def test_remember_counts_a_ranks_crash_in_consecutive_rounds_only():
+    one = remember((), [Crash(0, "A", 1), Crash(1, "B", 1)])
+    assert one == (Crash(0, "A", 1), Crash(1, "B", 1))
+    two = remember(one, [Crash(0, "A", 2), Crash(1, "C", 2)])
+    assert two == (Crash(0, "A", 2, rounds=2), Crash(1, "C", 2))
+    assert remember(two, [Crash(0, "A", 2)]) == two  # a round's crash counts once
+    # A round with no crash of rank 0 (it stepped, or hung) breaks its run.
+    assert remember(two, [Crash(0, "A", 4)]) == (Crash(0, "A", 4),)  # round 2's are forgotten
+    late = remember(two, [Crash(1, "C", 1)])  # an older round's report, come late
+    assert late == two
 
 
 def test_the_budget_is_spent_by_the_restart_that_would_exceed_it():

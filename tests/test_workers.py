@@ -136,6 +136,10 @@ def test_read_log_tail(tmp_path: Path) -> None:
     assert len(lines) == 40 and lines[-1] == "line 99" and lines[0] == "line 60"
     log.write_text("".join(c * 5000 + "\n" for c in "xyz") + "end\n")
     assert read_log_tail(log) == "z" * 5000 + "\nend"  # whole lines, <= 8 KiB
+    log.write_text("old\nround\nnew 1\nnew 2\n")
+    assert read_log_tail(log, since=len("old\nround\n")) == "new 1\nnew 2"
+    assert read_log_tail(log, since=log.stat().st_size) == ""  # wrote nothing yet
+    assert read_log_tail(log, since=10**6) == "old\nround\nnew 1\nnew 2"  # a newer log
 
 
 # --- outcomes --------------------------------------------------------------------------------
@@ -512,6 +516,22 @@ def test_exception_exits_1_with_traceback(tmp_path: Path, warm: bool) -> None:
     assert f is not None and f.exitcode == 1
     assert "Traceback (most recent call last)" in f.log_tail and "ValueError: boom" in f.log_tail
     assert "zygote" not in f.log_tail  # its own frames are hidden
+
+
+def test_a_failure_tail_is_the_workers_own_not_its_predecessors(tmp_path: Path, warm: bool) -> None:
+    """Workers of the next round append to the same log: a silent exit after a predecessor's
+    traceback must not read as that traceback (nor repeat its error)."""
+    boom = write(tmp_path / "boom.py", "raise ValueError('round one')\n")
+    first, _ = run(run_group(tmp_path, [PY, str(boom)], 1, warm))
+    assert first.first_failure is not None and "ValueError: round one" in (
+        first.first_failure.log_tail
+    )
+    quiet = write(tmp_path / "quiet.py", "import sys; print('round two'); sys.exit(4)\n")
+    second, _ = run(run_group(tmp_path, [PY, str(quiet)], 1, warm))
+    f = second.first_failure
+    assert f is not None and f.exitcode == 4
+    assert f.log_tail == "round two"
+    assert "round one" in (tmp_path / "logs" / "rank-0.log").read_text()  # still appended
 
 
 def test_sys_exit_message_and_codes(tmp_path: Path) -> None:

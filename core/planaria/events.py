@@ -67,6 +67,8 @@ class StopCause(str, Enum):
     """``diagnosis.on_user_error: stop``."""
     CANNOT_START = "cannot_start"
     """The workers cannot start: the program, its environment or the node's size is wrong."""
+    CRASH_LOOP = "crash_loop"
+    """A rank failed the same way before any step in ``diagnosis.crash_loop_rounds`` rounds."""
     TOO_FEW_NODES = "too_few_nodes"
     """Fewer nodes than ``job.nodes`` needs are left, and no replacement comes."""
     JOIN_TIMEOUT = "join_timeout"

@@ -101,16 +101,19 @@ class GroupResult:
     stopped: bool = False  # stop() was called before any worker failed
 
 
-def read_log_tail(path: Path, max_lines: int = 40, max_bytes: int = 8192) -> str:
-    """The last whole lines of a log, within both limits; "" if it cannot be read."""
+def read_log_tail(path: Path, max_lines: int = 40, max_bytes: int = 8192, since: int = 0) -> str:
+    """The last whole lines of a log, within both limits, written after offset ``since`` (a
+    worker's own output in a log its predecessors appended to); "" if it cannot be read."""
     try:
         with open(path, "rb") as f:
-            start = max(0, f.seek(0, os.SEEK_END) - max_bytes - 1)
+            end = f.seek(0, os.SEEK_END)
+            since = since if since <= end else 0  # the log was replaced meanwhile
+            start = max(since, end - max_bytes - 1)
             f.seek(start)
             data = f.read()
     except OSError:
         return ""
-    if start > 0:  # drop the first line: it may be partial
+    if start > since:  # drop the first line: it may be partial
         data = data[data.find(b"\n") + 1 :] if b"\n" in data else b""
     lines = data.decode("utf-8", "replace").splitlines()[-max_lines:]
     while lines and len("\n".join(lines).encode()) > max_bytes:
@@ -118,9 +121,19 @@ def read_log_tail(path: Path, max_lines: int = 40, max_bytes: int = 8192) -> str
     return "\n".join(lines)
 
 
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
 class _Worker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec, self.pid, self.stopping, self.order = spec, 0, False, 0
+        self.log_start = _size(spec.log_path)
+        """Where this worker's output begins in its log: the tail of a failure is its own,
+        never a traceback of the worker that failed in the previous round."""
         self.future: asyncio.Future[WorkerExit] = asyncio.get_running_loop().create_future()
         self.watcher: asyncio.Future[None] | None = None
 
@@ -143,7 +156,7 @@ class _Worker:
         if clean_group:  # kill what it left behind in its process group
             process.signal_group(self.pid, signal.SIGKILL)
         self.order = next(_order)
-        tail = read_log_tail(self.spec.log_path)
+        tail = read_log_tail(self.spec.log_path, since=self.log_start)
         rank, stopped = self.spec.local_rank, self.stopping
         self.future.set_result(
             WorkerExit(rank, self.pid, exitcode, sig, time.time(), tail, stopped)

@@ -377,6 +377,12 @@ class DiagnosisSection(Section):
         default="restart",
         description="a Python exception with no hardware pattern: restart in place, or stop",
     )
+    crash_loop_rounds: int = Field(
+        default=2,
+        ge=0,
+        description="stop when a rank fails with the same error before any step in this many "
+        "consecutive rounds (a crash loop); 0: restart until max_restarts is spent",
+    )
 
     @model_validator(mode="after")
     def _distinct_names(self) -> DiagnosisSection:

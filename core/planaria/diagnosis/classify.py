@@ -64,12 +64,18 @@ class Classifier:
             )
         if signal is not None:
             return Classification(FaultClass.TRANSIENT, f"killed by {_signame(signal)}", "exit")
-        traceback = _TRACEBACK.search(log_tail)
-        if traceback is not None:
-            last = _last_exception(log_tail[traceback.start() :])
+        if _TRACEBACK.search(log_tail) is not None:
+            last = exception_line(log_tail)
             reason = f"Python exception: {last}" if last else "Python exception"
             return Classification(FaultClass.USER, reason, "exit", last)
         return Classification(FaultClass.TRANSIENT, f"exit code {exitcode}", "exit")
+
+
+def exception_line(log_tail: str) -> str:
+    """The ``SomeError: message`` line that ends the first traceback of ``log_tail`` and what
+    it chains to (the last of them); "" when the log shows no traceback."""
+    traceback = _TRACEBACK.search(log_tail)
+    return "" if traceback is None else _last_exception(log_tail[traceback.start() :])
 
 
 def _last_exception(text: str) -> str:

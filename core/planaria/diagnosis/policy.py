@@ -27,4 +27,5 @@ class DiagnosisPolicy:
     straggler_factor: float = 2.0
     replace_stragglers: bool = False
     on_user_error: Literal["restart", "stop"] = "restart"
+    crash_loop_rounds: int = 2
     preflight: PreflightPolicy = field(default_factory=PreflightPolicy)

@@ -63,5 +63,6 @@ def master_policy(
         straggler_factor=section.straggler_factor,
         replace_stragglers=section.replace_stragglers,
         on_user_error=section.on_user_error,
+        crash_loop_rounds=section.crash_loop_rounds,
         preflight=preflight_policy(resolved, preflight_only),
     )

@@ -4,7 +4,7 @@ Each finding becomes a timeline event and, where it may call for an action, a fa
 decides on (:meth:`JobControl.report_fault`, by :mod:`planaria.master.policy`): restart in place
 (a transient fault, a hang), replace the node and exclude its host (a node fault, a failed
 health check, a straggler when ``replace_stragglers``), or stop (a user error when
-``on_user_error: stop``, and always workers that cannot start).
+``on_user_error: stop``, a crash loop, and always workers that cannot start).
 """
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ from __future__ import annotations
 import time
 
 from planaria import events
+from planaria.diagnosis.classify import exception_line
 from planaria.diagnosis.messages import HangReport, HealthReport
 from planaria.diagnosis.policy import DiagnosisPolicy
 from planaria.diagnosis.stragglers import RankTimes, Straggler, StragglerDetector
 from planaria.fault_pattern.api import Classification, FaultClass
 from planaria.log import get_logger
 from planaria.master.control import JobControl
-from planaria.master.policy import CANNOT_START, Decision, FaultType, Source
+from planaria.master.policy import CANNOT_START, Crash, Decision, FaultType, Source
 from planaria.master.state import Node
 from planaria.master.timeline import Fault, Summary
 from planaria.protocol import ChaosReport, Heartbeat, WorkerFailure, WorkersReport
@@ -34,6 +35,17 @@ _TYPES = {
     FaultClass.TRANSIENT: FaultType.TRANSIENT,
     FaultClass.USER: FaultType.USER,
 }
+
+
+def last_words(failure: WorkerFailure) -> str:
+    """What tells one crash from another: the last exception line of the worker's traceback,
+    else how it ended (``exit code 1``, ``killed by SIGKILL``: a signal says more than a
+    traceback it may have printed before)."""
+    if failure.signal is None:
+        line = exception_line(failure.log_tail)
+        if line:
+            return line
+    return failure.description
 
 
 def stopped_on_start(summary: Summary) -> bool:
@@ -67,8 +79,9 @@ class Diagnosis:
         """A node's workers failed. Peers of a failed worker fail too, often before its own
         report arrives: every failure goes into the timeline, and the one that decides (a
         node fault among them, else the first) is the fault. Failures of a round restarted
-        already (``current`` false) only matter when they show a bad node: the restart that
-        came first was for a peer's symptom."""
+        already (``current`` false) only matter when they show a bad node (the restart that
+        came first was for a peer's symptom), or crashes before any step, which the next
+        round's may repeat (a crash loop)."""
         assert report.failure is not None
         failures = [report.failure, *report.also]
         failure, verdict = self.driver(failures)
@@ -77,9 +90,12 @@ class Diagnosis:
             main = current and each is failure
             text = self._failure_event(node, report.round, each, secondary=not main)
             detail = text if each is failure else detail
-        if not current and verdict.kind is not FaultClass.NODE:
+        crashes: tuple[Crash, ...] = ()
+        if report.last_step < 0:  # none of the node's workers completed a step in the round
+            crashes = tuple(Crash(f.rank, last_words(f), report.round) for f in failures)
+        if not current and verdict.kind is not FaultClass.NODE and not crashes:
             return
-        if not current:
+        if not current and verdict.kind is FaultClass.NODE:
             log.warning("node fault found after the restart", node=node.node_id, round=report.round)
         fault = Fault(
             kind="worker_failed",
@@ -91,6 +107,7 @@ class Diagnosis:
             last_step=report.last_step if current else -1,
             fault_class=verdict.kind.value,
             reason=verdict.reason,
+            crashes=crashes,
         )
         source = Source.START if verdict.source == START else Source.WORKERS
         self.job.report_fault(fault, _TYPES[verdict.kind], source if current else Source.LATE)

@@ -13,6 +13,8 @@ happened (a :class:`NodeFault` or a :class:`ReplacementFailed`), and carries out
 - a failure of a round restarted already, or of no running round, that is not the node's:
   nothing more (the restart that came first covers it);
 - a user error with ``diagnosis.on_user_error: stop``: stop;
+- a crash loop: a rank that failed the same way (the same exception line) before any step in
+  ``diagnosis.crash_loop_rounds`` consecutive rounds: stop (the next restart would fail alike);
 - anything else (a transient fault, a user error to restart, a hang) restarts the workers;
 - restarting the running world spends one of ``max_restarts``; with none left the job stops,
   and no node is asked for;
@@ -22,6 +24,7 @@ happened (a :class:`NodeFault` or a :class:`ReplacementFailed`), and carries out
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Literal
@@ -78,6 +81,40 @@ CANNOT_START = "stop: the workers cannot start, and a restart would fail the sam
 
 
 @dataclass(frozen=True)
+class Crash:
+    """A worker that failed before its round completed any step: what a crash loop is made of."""
+
+    rank: int
+    error: str
+    """Its last words: the last exception line of its traceback, else how it ended (``exit
+    code 1``, ``killed by SIGKILL``)."""
+    round: int
+    rounds: int = 1
+    """Consecutive rounds, up to ``round``, in which the rank failed so."""
+
+
+def remember(memory: Iterable[Crash], crashes: Iterable[Crash]) -> tuple[Crash, ...]:
+    """``memory`` (each rank's last crash) with ``crashes`` added: a rank whose crash repeats
+    the one it had in the round before counts one round more. A rank's crash of a round already
+    remembered is not counted twice; crashes older than the round before the newest cannot go
+    on, and are forgotten."""
+    last = {c.rank: c for c in memory}
+    for crash in crashes:
+        before = last.get(crash.rank)
+        if before is None:
+            last[crash.rank] = replace(crash, rounds=1)
+        elif before.round < crash.round:
+            repeats = (before.round, before.error) == (crash.round - 1, crash.error)
+            last[crash.rank] = replace(crash, rounds=before.rounds + 1 if repeats else 1)
+    newest = max((c.round for c in last.values()), default=0)
+    return tuple(sorted((c for c in last.values() if c.round >= newest - 1), key=_rank))
+
+
+def _rank(crash: Crash) -> int:
+    return crash.rank
+
+
+@dataclass(frozen=True)
 class Rules:
     """The job's settings that decide (from its config)."""
 
@@ -85,6 +122,9 @@ class Rules:
     min_nodes: int
     max_nodes: int
     on_user_error: Literal["restart", "stop"] = "restart"
+    crash_loop_rounds: int = 2
+    """Stop when a rank fails the same way before any step in this many consecutive rounds;
+    0: never."""
     replace_stragglers: bool = False
     preflight_replace_stragglers: bool = False
     preflight_only: bool = False
@@ -104,6 +144,8 @@ class Situation:
     """Nodes in the job or on their way, the one at fault not counted."""
     preflight_replaced: int = 0
     """Nodes the pre-flight check asked replacements for."""
+    crashes: tuple[Crash, ...] = ()
+    """Each rank's last crash before any step (:func:`remember`), this fault's not yet."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +161,8 @@ class NodeFault:
     in_world: bool = False
     """The node is a member of the running round."""
     node_gone: bool = False
+    crashes: tuple[Crash, ...] = ()
+    """Its failed workers, when their round had completed no step."""
 
 
 @dataclass(frozen=True)
@@ -178,7 +222,38 @@ def _fault(rules: Rules, now: Situation, fault: NodeFault) -> Decision:
             reason=f"user error: {fault.detail}: {fault.reason}",
             cause=StopCause.USER_ERROR,
         )
+    loop = _crash_loop(rules, now, fault)
+    if loop is not None:
+        return loop
     return _spend(rules, now, fault, Decision(Act.RESTART, "restart workers in place"))
+
+
+def _crash_loop(rules: Rules, now: Situation, fault: NodeFault) -> Decision | None:
+    """Stop when one of the fault's crashes repeats ``crash_loop_rounds`` rounds in a row."""
+    if rules.crash_loop_rounds == 0 or not fault.crashes:
+        return None
+    ranks = {c.rank for c in fault.crashes}
+    counted = [c for c in remember(now.crashes, fault.crashes) if c.rank in ranks]
+    looping = [c for c in counted if c.rounds >= rules.crash_loop_rounds]
+    if not looping:
+        return None
+    crash = looping[0]
+    what = f"rank {crash.rank} failed with {crash.error!r}"
+    if crash.rounds > 1:
+        times = "twice" if crash.rounds == 2 else f"{crash.rounds} times"
+        what += f" {times}, in {crash.rounds} consecutive rounds, each time before any step"
+    else:
+        what += " before any step"
+    return Decision(
+        Act.STOP,
+        f"stop: crash loop (diagnosis.crash_loop_rounds: {rules.crash_loop_rounds})",
+        reason=(
+            f"crash loop: {what}; a restart would fail the same way. Fix the error, or set "
+            f"diagnosis.crash_loop_rounds (now {rules.crash_loop_rounds}; 0 turns this off) "
+            "to restart anyway"
+        ),
+        cause=StopCause.CRASH_LOOP,
+    )
 
 
 def _take_out(rules: Rules, now: Situation, fault: NodeFault) -> Decision:

@@ -21,6 +21,7 @@ from planaria.master.fleet import Fleet
 from planaria.master.policy import (
     PREFLIGHT_SOURCES,
     Act,
+    Crash,
     Decision,
     FaultType,
     NodeFault,
@@ -29,6 +30,7 @@ from planaria.master.policy import (
     Situation,
     Source,
     decide,
+    remember,
 )
 from planaria.master.rounds import Rounds
 from planaria.master.state import Node, NodePhase
@@ -76,6 +78,10 @@ class Recovery:
         self.replacing: dict[str, bool] = {}
         """Nodes whose replacement was asked and has not come back: whether its host is
         excluded. A restarted master asks again for these."""
+        self.crashes: tuple[Crash, ...] = ()
+        """Each rank's last failure before any step (a crash loop's memory)."""
+        self._stepped: set[int] = set()
+        """Rounds that completed a step: their failures are no crash loop's."""
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -106,6 +112,7 @@ class Recovery:
             stopping=self.job.stopping,
             nodes_left=self.fleet.alive(but=but) + self.fleet.replacing(),
             preflight_replaced=self.preflight_replaced,
+            crashes=self.crashes,
         )
 
     def report(
@@ -116,6 +123,7 @@ class Recovery:
         before: Callable[[Decision], None] | None = None,
     ) -> Decision:
         node = self.fleet.nodes[fault.node]
+        crashes = tuple(c for c in fault.crashes if c.round not in self._stepped)
         event = NodeFault(
             type=type_,
             source=source,
@@ -125,8 +133,10 @@ class Recovery:
             reason=fault.reason,
             in_world=node.node_id in self.rounds.world,
             node_gone=node.phase.gone,
+            crashes=crashes,
         )
         decision = decide(self.rules, self.situation(but=node.node_id), event)
+        self.crashes = remember(self.crashes, crashes)
         fault.action = decision.action
         if before is not None:
             before(decision)
@@ -259,6 +269,9 @@ class Recovery:
     def first_step(self, round_: int, at: float, first: int | None) -> None:
         """Round ``round_`` completed its first step (``first``) at ``at``: the faults that
         restarted it are recovered."""
+        if round_ not in self._stepped:  # a failure reported first was no crash loop's
+            self._stepped.add(round_)
+            self.crashes = tuple(c for c in self.crashes if c.round != round_)
         for fault in self.faults:
             if fault.restart_round == round_ and fault.recovered_at is None:
                 fault.recovered_at = at

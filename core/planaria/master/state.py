@@ -142,6 +142,7 @@ class JobSettings:
             min_nodes=self.min_nodes,
             max_nodes=self.max_nodes,
             on_user_error=self.diagnosis.on_user_error,
+            crash_loop_rounds=self.diagnosis.crash_loop_rounds,
             replace_stragglers=self.diagnosis.replace_stragglers,
             preflight_replace_stragglers=self.diagnosis.preflight.replace_stragglers,
             preflight_only=self.diagnosis.preflight.only,

@@ -10,6 +10,7 @@ from pathlib import Path
 from planaria.diagnosis.preflight import PreflightReport
 from planaria.diagnosis.stragglers import Straggler
 from planaria.events import JobEvent, Payload
+from planaria.master.policy import Crash
 
 
 @dataclass
@@ -33,6 +34,9 @@ class Fault:
     """``node``, ``transient`` or ``user`` (:mod:`planaria.diagnosis.classify`)."""
     reason: str = ""
     """What the diagnosis matched (a log pattern, a signal, a failed check)."""
+    crashes: tuple[Crash, ...] = ()
+    """The failed workers, when their node had completed no step in the round: what a crash
+    loop is told by (:func:`planaria.master.policy.remember`)."""
 
     @property
     def recovery_s(self) -> float | None:
