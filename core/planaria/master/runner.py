@@ -13,6 +13,7 @@ import errno
 import secrets
 import shutil
 import signal
+import ssl
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -31,10 +32,11 @@ from planaria.master.job import Master
 from planaria.master.server import ServerLimits, make_app, serve
 from planaria.master.state import JobSettings
 from planaria.master.timeline import Summary
+from planaria.master.tls import job_certificate, server_context
 from planaria.master.transport import transport
 from planaria.plugin.manager import PluginManager
 from planaria.plugin.records import PluginKind
-from planaria.protocol import MASTER_ENV, TOKEN_ENV, CheckpointSpec, JobSpec
+from planaria.protocol import FINGERPRINT_ENV, MASTER_ENV, TOKEN_ENV, CheckpointSpec, JobSpec
 from planaria.scheduler.api import LaunchSpec, Scheduler
 
 TICK = 0.05
@@ -189,14 +191,35 @@ def _job_spec(
     )
 
 
+def _tls(
+    resolved: ResolvedConfig, wanted: bool, master: Master, run_dir: Path
+) -> tuple[ssl.SSLContext | None, dict[str, str]]:
+    """The job's certificate (reused from ``run_dir`` when there) to serve with, and the
+    agents' environment that pins it; nothing when ``wanted`` is false."""
+    if not wanted:
+        return None, {}
+    section = resolved.config.master
+    try:
+        certificate = job_certificate(run_dir, [section.advertise or section.host, section.host])
+        return server_context(certificate), {FINGERPRINT_ENV: certificate.fingerprint}
+    except BaseException:
+        master.timeline.close()
+        raise
+
+
 async def _serve(
-    resolved: ResolvedConfig, app_: web.Application, master: Master, run_dir: Path
+    resolved: ResolvedConfig,
+    app_: web.Application,
+    master: Master,
+    run_dir: Path,
+    tls: ssl.SSLContext | None = None,
 ) -> tuple[web.AppRunner, int]:
-    """Serve the API. An address or port this machine cannot give is the config's problem;
-    the run that could not start leaves nothing behind, its directory included."""
+    """Serve the API (over TLS with ``tls``). An address or port this machine cannot give is
+    the config's problem; the run that could not start leaves nothing behind, its directory
+    included."""
     host, port = resolved.config.master.host, resolved.config.master.port
     try:
-        return await serve(app_, host, port)
+        return await serve(app_, host, port, tls)
     except OSError as exc:
         master.timeline.close()
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -249,8 +272,9 @@ async def run_job(
         per_client=config.master.max_connections_per_client,
     )
     app_ = make_app(master, token, hold=config.master.heartbeat_interval, limits=limits)
-    server, port = await _serve(resolved, app_, master, run_dir)
-    wire = transport(config.master.host)
+    wire = transport(config.master.host, config.master.tls)
+    tls, pin = _tls(resolved, wire.tls, master, run_dir)
+    server, port = await _serve(resolved, app_, master, run_dir, tls)
     if wire.warning:
         hooks.on_warning(wire.warning)
     advertise = config.master.advertise or config.master.host
@@ -258,7 +282,8 @@ async def run_job(
     agents = LaunchSpec(
         job=job.name,
         command=(sys.executable, "-m", "planaria", "agent"),
-        env={MASTER_ENV: url, TOKEN_ENV: token},  # the token never shows in a command line
+        # The URL, the token and the pinned fingerprint: never shown in a command line.
+        env={MASTER_ENV: url, TOKEN_ENV: token, **pin},
         log_dir=run_dir / "logs" / "agents",
         run_id=run_id,
     )
