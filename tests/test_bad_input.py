@@ -489,13 +489,14 @@ def test_a_missing_workdir_is_a_config_error_and_is_not_created(tmp_path, mark):
 # -- case: the API on a network address --------------------------------------------------------
 
 
-def test_an_api_beyond_loopback_is_warned_about(tmp_path, mark):
-    path = config(tmp_path, master={"host": "0.0.0.0", "advertise": "127.0.0.1"})
+def test_plain_http_beyond_loopback_is_warned_about(tmp_path, mark):
+    path = config(tmp_path, master={"host": "0.0.0.0", "advertise": "127.0.0.1", "tls": False})
     result = planaria(tmp_path, mark, "run", str(path))
     assert result.returncode == 0, flat(result)
+    assert "master at http://127.0.0.1:" in result.stdout
     warning = (
         "warning: the master's API listens on 0.0.0.0 (master.host), beyond this machine, over "
-        "plain HTTP: the job's token and every request travel unencrypted"
+        "plain HTTP (master.tls: false): the job's token and every request travel unencrypted"
     )
     assert warning in " ".join(result.stderr.split())
     quiet = planaria(tmp_path, mark, "run", str(config(tmp_path)))
@@ -513,5 +514,10 @@ def test_an_api_beyond_loopback_is_warned_about(tmp_path, mark):
 def test_which_hosts_keep_the_api_on_this_machine(host, loopback):
     assert is_loopback(host) is loopback
     wire = transport(host)
-    assert wire.scheme == "http"
-    assert (wire.warning is None) is loopback
+    assert wire.scheme == ("http" if loopback else "https")
+    assert wire.warning is None
+    assert transport(host, tls=True).scheme == "https"
+    assert transport(host, tls=True).warning is None
+    plain = transport(host, tls=False)
+    assert plain.scheme == "http"
+    assert (plain.warning is None) is loopback

@@ -16,6 +16,8 @@ from planaria.diagnosis.messages import DiagnosisSpec
 API_PREFIX = "/v1"
 TOKEN_ENV = "PLANARIA_TOKEN"
 MASTER_ENV = "PLANARIA_MASTER"
+FINGERPRINT_ENV = "PLANARIA_MASTER_FINGERPRINT"
+"""SHA-256 of the master's certificate (hex), which agents pin when its URL is ``https``."""
 NODE_ID_ENV = "PLANARIA_NODE_ID"
 HOST_ENV = "PLANARIA_HOST"
 

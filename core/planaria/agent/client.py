@@ -1,6 +1,10 @@
 """The agent's side of the master API: typed requests, retries while the master is
 unreachable, re-attaching to a restarted master, and a clear error once the master has been
-gone for longer than the grace."""
+gone for longer than the grace.
+
+Over ``https`` the agent trusts one certificate only, the job's, by its SHA-256 fingerprint:
+no certificate authority is consulted, and a server that shows another certificate is refused
+at once (it is not the master, however long one waits)."""
 
 from __future__ import annotations
 
@@ -8,13 +12,14 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
+from urllib.parse import urlparse
 
 import aiohttp
 from pydantic import BaseModel
 
 from planaria.errors import PlanariaError
 from planaria.log import get_logger
-from planaria.protocol import API_PREFIX
+from planaria.protocol import API_PREFIX, FINGERPRINT_ENV
 
 R = TypeVar("R", bound=BaseModel)
 
@@ -40,16 +45,49 @@ class _NotYet(Exception):
     """The master answered 503: it cannot say yet (e.g. this node's launch is in flight)."""
 
 
+def _pin(url: str, fingerprint: str | None) -> aiohttp.Fingerprint | None:
+    scheme = urlparse(url).scheme
+    if scheme not in ("http", "https"):
+        raise PlanariaError(f"the master's URL {url!r} is neither http:// nor https://")
+    if fingerprint is None:
+        if scheme == "https":
+            raise PlanariaError(
+                f"the master at {url} speaks TLS but no fingerprint of its certificate was "
+                f"given ({FINGERPRINT_ENV}): its certificate cannot be trusted blindly"
+            )
+        return None
+    if scheme != "https":
+        raise PlanariaError(
+            f"a certificate fingerprint was given for {url}, which is not https: the "
+            "connection would not be encrypted"
+        )
+    try:
+        raw = bytes.fromhex(fingerprint)
+        return aiohttp.Fingerprint(raw)
+    except ValueError:
+        raise PlanariaError(
+            f"the master's fingerprint ({FINGERPRINT_ENV}) must be the 64 hex digits of a "
+            f"SHA-256, got {len(fingerprint)} characters"
+        ) from None
+
+
 class MasterClient:
     """``give_up_after``: how long the master may be unreachable (counted from the first
     failure, across calls) before a call raises :class:`MasterUnreachable`. ``reattach``:
     called when the master asks this node to re-attach (a restarted master), before the
     request is tried again."""
 
-    def __init__(self, url: str, token: str, give_up_after: float = 15.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        give_up_after: float = 15.0,
+        fingerprint: str | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.token = token
         self.give_up_after = give_up_after
+        self._ssl = _pin(self.url, fingerprint)
         self.reattach: Callable[[], Awaitable[None]] | None = None
         self._unreachable_since: float | None = None
         self._session = aiohttp.ClientSession(
@@ -75,6 +113,12 @@ class MasterClient:
                 if status != 200:
                     raise MasterRejected(f"master answered {status} to {path}: {text}")
                 return reply.model_validate_json(text)
+            except aiohttp.ServerFingerprintMismatch as exc:
+                raise MasterRejected(
+                    f"the server at {self.url} is not this job's master: its certificate's "
+                    f"SHA-256 is {exc.got.hex()[:16]}..., the job's is "
+                    f"{exc.expected.hex()[:16]}... ({FINGERPRINT_ENV})"
+                ) from None
             except _NotYet as exc:  # it answers: only not yet what we asked
                 if time.monotonic() - asked > self.give_up_after:
                     raise MasterUnreachable(f"master at {self.url} kept saying {exc}") from exc
@@ -86,13 +130,15 @@ class MasterClient:
                 delay = min(delay * 2, MAX_DELAY)
 
     async def _request(self, path: str, body: BaseModel | None) -> tuple[int, str]:
+        ssl = True if self._ssl is None else self._ssl
         if body is None:
-            request = self._session.get(f"{self.url}{API_PREFIX}{path}")
+            request = self._session.get(f"{self.url}{API_PREFIX}{path}", ssl=ssl)
         else:
             request = self._session.post(
                 f"{self.url}{API_PREFIX}{path}",
                 data=body.model_dump_json(),
                 headers={"Content-Type": "application/json"},
+                ssl=ssl,
             )
         async with request as response:
             return response.status, await response.text()

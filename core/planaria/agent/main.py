@@ -517,8 +517,10 @@ class _RoundState:
         self.first_step_time: float | None = None
 
 
-async def main(master_url: str, token: str, node_id: str, host: str) -> int:
-    client = MasterClient(master_url, token)
+async def main(
+    master_url: str, token: str, node_id: str, host: str, fingerprint: str | None = None
+) -> int:
+    client = MasterClient(master_url, token, fingerprint=fingerprint)
     agent = Agent(client, node_id, host, node_address(master_url))
     task = asyncio.ensure_future(agent.run())
     loop = asyncio.get_running_loop()

@@ -27,7 +27,7 @@ from planaria.master.runner import RunHooks, resume_job, run_issues, run_job
 from planaria.master.state import JobState
 from planaria.master.timeline import NO_STEPS, Summary
 from planaria.plugin.manager import PluginManager
-from planaria.protocol import MASTER_ENV, TOKEN_ENV, JobSpec
+from planaria.protocol import FINGERPRINT_ENV, MASTER_ENV, TOKEN_ENV, JobSpec
 
 EVENT_STYLE = {
     EventKind.FAULT_DETECTED: "bold red",
@@ -290,14 +290,16 @@ def agent_command(
     node_id: Annotated[Optional[str], typer.Option(envvar="PLANARIA_NODE_ID")] = None,  # noqa: UP045
     host: Annotated[Optional[str], typer.Option(envvar="PLANARIA_HOST")] = None,  # noqa: UP045
 ) -> None:
-    """Run this node's agent (started by the scheduler; the token comes in PLANARIA_TOKEN)."""
+    """Run this node's agent (started by the scheduler; the token comes in PLANARIA_TOKEN,
+    the fingerprint of the master's certificate in PLANARIA_MASTER_FINGERPRINT)."""
     from planaria.agent.main import main as agent_main
 
     # Out of the environment: nothing this agent starts (workers, the warm interpreter, the
     # persister) talks to the master, so nothing it starts gets the job's token.
     token = os.environ.pop(TOKEN_ENV, None)
+    fingerprint = os.environ.pop(FINGERPRINT_ENV, None) or None
     if not master or not token or not node_id:
         error(f"the agent needs {MASTER_ENV}, {TOKEN_ENV} and PLANARIA_NODE_ID")
         raise SystemExit(2)
     log.bind(component="agent")
-    raise SystemExit(asyncio.run(agent_main(master, token, node_id, host or node_id)))
+    raise SystemExit(asyncio.run(agent_main(master, token, node_id, host or node_id, fingerprint)))

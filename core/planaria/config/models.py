@@ -441,6 +441,13 @@ class MasterSection(Section):
     advertise: str | None = Field(
         default=None, description="address agents use to reach the master (default: host)"
     )
+    tls: bool | None = Field(
+        default=None,
+        description=(
+            "serve the API over TLS with the job's own certificate, which agents pin "
+            "(default: when host is not loopback); false: plain HTTP even off loopback"
+        ),
+    )
     heartbeat_interval: Duration = 2.0
     heartbeat_timeout: Duration = 15.0
     grace: Duration = Field(

@@ -15,6 +15,7 @@ import os
 import secrets
 import shutil
 import signal
+import ssl
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -35,10 +36,11 @@ from planaria.master.journal import Journal, JournalError, Journalled
 from planaria.master.server import ServerLimits, make_app, serve
 from planaria.master.state import JobSettings, JobState
 from planaria.master.timeline import Summary
+from planaria.master.tls import job_certificate, server_context
 from planaria.master.transport import transport
 from planaria.plugin.manager import PluginManager
 from planaria.plugin.records import PluginKind
-from planaria.protocol import MASTER_ENV, TOKEN_ENV, CheckpointSpec, JobSpec
+from planaria.protocol import FINGERPRINT_ENV, MASTER_ENV, TOKEN_ENV, CheckpointSpec, JobSpec
 from planaria.scheduler.api import LaunchSpec, Scheduler
 
 TICK = 0.05
@@ -198,21 +200,38 @@ def _job_spec(
     )
 
 
+def _tls(
+    resolved: ResolvedConfig, wanted: bool, master: Master, run_dir: Path
+) -> tuple[ssl.SSLContext | None, dict[str, str]]:
+    """The job's certificate (reused from ``run_dir`` when there) to serve with, and the
+    agents' environment that pins it; nothing when ``wanted`` is false."""
+    if not wanted:
+        return None, {}
+    section = resolved.config.master
+    try:
+        certificate = job_certificate(run_dir, [section.advertise or section.host, section.host])
+        return server_context(certificate), {FINGERPRINT_ENV: certificate.fingerprint}
+    except BaseException:
+        master.timeline.close()
+        raise
+
+
 async def _serve(
     resolved: ResolvedConfig,
     app_: web.Application,
     master: Master,
     run_dir: Path,
     port: int | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> tuple[web.AppRunner, int]:
-    """Serve the API (on ``port``, or the configured one). An address or port this machine
-    cannot give is the config's problem; a new run that could not start leaves nothing behind,
-    its directory included."""
+    """Serve the API (on ``port``, or the configured one; over TLS with ``tls``). An address
+    or port this machine cannot give is the config's problem; a new run that could not start
+    leaves nothing behind, its directory included."""
     host = resolved.config.master.host
     port = resolved.config.master.port if port is None else port
     resumed = master.journal is not None and master.state is not JobState.STARTING
     try:
-        return await serve(app_, host, port)
+        return await serve(app_, host, port, tls)
     except OSError as exc:
         master.timeline.close()
         if not resumed:
@@ -375,10 +394,11 @@ async def _run(
             per_client=config.master.max_connections_per_client,
         )
         app_ = make_app(master, token, hold=config.master.heartbeat_interval, limits=limits)
-        server, port = await _serve(resolved, app_, master, run_dir, port)
+        wire = transport(config.master.host, config.master.tls)
+        tls, pin = _tls(resolved, wire.tls, master, run_dir)  # the same again on a resume
+        server, port = await _serve(resolved, app_, master, run_dir, port, tls)
         assert master.journal is not None
         master.journal.set_meta("server", {"host": config.master.host, "port": port})
-        wire = transport(config.master.host)
         if wire.warning:
             hooks.on_warning(wire.warning)
         advertise = config.master.advertise or config.master.host
@@ -386,7 +406,8 @@ async def _run(
         agents = LaunchSpec(
             job=master.spec.job,
             command=(sys.executable, "-m", "planaria", "agent"),
-            env={MASTER_ENV: url, TOKEN_ENV: token},  # the token never shows in a command line
+            # The URL, the token and the pinned fingerprint: never shown in a command line.
+            env={MASTER_ENV: url, TOKEN_ENV: token, **pin},
             log_dir=run_dir / "logs" / "agents",
             run_id=master.spec.run_id,
             detached=True,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ssl
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -293,14 +294,23 @@ def make_app(
 class _GuardedSite(web.BaseSite):
     """A TCP site whose connections go through :class:`_Guard`."""
 
-    def __init__(self, runner: web.AppRunner, host: str, port: int, book: _Connections) -> None:
+    def __init__(
+        self,
+        runner: web.AppRunner,
+        host: str,
+        port: int,
+        book: _Connections,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         super().__init__(runner, backlog=4096)
         self._host, self._port, self._book = host, port, book
+        self._ssl = ssl_context
         self.bound_port = port
 
     @property
     def name(self) -> str:
-        return f"http://{self._host}:{self.bound_port}"
+        scheme = "https" if self._ssl is not None else "http"
+        return f"{scheme}://{self._host}:{self.bound_port}"
 
     async def start(self) -> None:
         await super().start()
@@ -312,17 +322,29 @@ class _GuardedSite(web.BaseSite):
             return _Guard(factory(), book)
 
         loop = asyncio.get_running_loop()
+        # A TLS handshake comes before the guard sees the connection: it has the request's
+        # time limit of its own, so that a client cannot hold a connection by never finishing it.
+        handshake = None if self._ssl is None else book.limits.request_timeout
         self._server = server = await loop.create_server(
-            protocol, self._host, self._port, backlog=self._backlog, reuse_address=True
+            protocol,
+            self._host,
+            self._port,
+            backlog=self._backlog,
+            reuse_address=True,
+            ssl=self._ssl,
+            ssl_handshake_timeout=handshake,
         )
         self.bound_port = int(server.sockets[0].getsockname()[1])
 
 
-async def serve(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Start serving; returns the runner (``await runner.cleanup()`` to stop) and the port."""
+async def serve(
+    app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+) -> tuple[web.AppRunner, int]:
+    """Start serving, over TLS with ``ssl_context``; returns the runner
+    (``await runner.cleanup()`` to stop) and the port."""
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
-    site = _GuardedSite(runner, host, port, app[BOOK])
+    site = _GuardedSite(runner, host, port, app[BOOK], ssl_context)
     try:
         await site.start()
     except BaseException:
