@@ -42,7 +42,7 @@ def _config(tmp_path: Path, grace: str, **extra: object) -> Path:
             ],
             "nodes": 2,
             "procs_per_node": 1,
-            "max_restarts": 2,
+            "max_restarts": 3,
         },
         master={"heartbeat_interval": "0.5s", "heartbeat_timeout": "10s", "grace": grace},
         **extra,

@@ -168,7 +168,7 @@ class Agent:
                 joined = await self._join()
                 if joined is None or joined.info is None:
                     return 0
-                await warming
+                await self._warm(warming, joined.info)
                 action = await self._run_round(launcher, joined.info, joined.directives, base_env)
                 if action.kind == "exit":
                     return 0
@@ -179,6 +179,18 @@ class Agent:
             if self.checkpoints is not None:
                 await asyncio.to_thread(self.checkpoints.stop)
             remove_dir(shm)
+
+    async def _warm(self, warming: asyncio.Future[None], info: RendezvousInfo) -> None:
+        """Wait for the warm interpreter (its torch import can take seconds on a busy
+        machine), telling the master meanwhile that this node is alive."""
+        while not warming.done():
+            await asyncio.wait({warming}, timeout=self.spec.heartbeat_interval)
+            if not warming.done():
+                beat = Heartbeat(
+                    node_id=self.node_id, round=info.round, activity="idle", wait=False
+                )
+                await self.client.call("/heartbeat", beat, HeartbeatReply)
+        warming.result()
 
     async def _reattach(self) -> None:
         """Tell a restarted master what this node runs, so that it goes on with it."""

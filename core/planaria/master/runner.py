@@ -140,7 +140,9 @@ def _run_dir(resolved: ResolvedConfig) -> tuple[str, Path]:
     if issues:
         raise ConfigError(issues, resolved.source)
     try:
-        (run_dir / "logs").mkdir(parents=True, mode=0o700)
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir(mode=0o700)  # private: it holds the job's token and its key
+        (run_dir / "logs").mkdir(mode=0o700)
     except OSError as exc:
         message = (
             f"cannot create the run directory {run_dir}: {exc.strerror or exc}; set "
