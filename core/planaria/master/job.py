@@ -31,7 +31,7 @@ from planaria.master.policy import Decision, FaultType, Source
 from planaria.master.preflight import Preflight
 from planaria.master.recovery import Recovery
 from planaria.master.rounds import Rounds
-from planaria.master.state import BadReport, JobSettings, JobState, Node, NodePhase
+from planaria.master.state import BadReport, JobSettings, JobState, Node, NodePhase, UnknownNode
 from planaria.master.timeline import Fault, Summary, Timeline
 from planaria.protocol import (
     Action,
@@ -126,7 +126,7 @@ class Master:
     def heard_from(self, node_id: str) -> Node:
         node = self.nodes.get(node_id)
         if node is None:
-            raise KeyError(node_id)
+            raise UnknownNode(node_id)
         node.last_seen = time.monotonic()
         return node
 
