@@ -4,6 +4,7 @@ holding too many connections, and registrations of nodes the job never launched.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import time
 from pathlib import Path
@@ -159,3 +160,139 @@ def test_only_launched_nodes_register_and_only_once(tmp_path):
         assert not [f for f in master.faults if f.node == "node-77"]
 
     asyncio.run(with_guarded_master(tmp_path, body, ServerLimits()))
+
+
+def http_reply(raw: bytes) -> tuple[int, dict[str, str], dict]:
+    """Status, headers (lower-case names) and JSON body of one raw HTTP/1.1 response."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in lines)}
+    if headers.get("transfer-encoding") == "chunked":
+        size, _, rest = body.partition(b"\r\n")
+        body = rest[: int(size, 16)]
+    return int(status_line.split()[1]), headers, json.loads(body)
+
+
+async def read_reply(reader: asyncio.StreamReader, wait: float = 5.0) -> bytes:
+    """One whole response (its header, then Content-Length bytes of body)."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), wait)
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    return head + await asyncio.wait_for(reader.readexactly(length), wait)
+
+
+LIMIT = 64 * 1024
+
+
+def test_a_body_over_the_limit_is_a_413_saying_so_chunked_or_not(tmp_path):
+    async def body(master, session, port):
+        start = (
+            f"POST {API_PREFIX}/register HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+            "Content-Type: application/json\r\n"
+        ).encode()
+        # Announced too large: refused from the header alone, the body never read.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(start + b"Content-Length: 10000000\r\n\r\n" + b" " * 1000)
+        status, headers, reply = http_reply(await read_reply(reader))
+        writer.close()
+        assert status == 413 and headers["content-type"].startswith("application/json")
+        assert reply == {
+            "error": f"request body of 10000000 bytes is over the limit of {LIMIT} "
+            "(master.max_request_bytes)"
+        }
+
+        # Chunked, no Content-Length: refused once more than the limit came.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(start + b"Transfer-Encoding: chunked\r\n\r\n")
+        chunk = b" " * 4096
+        for _ in range(2 * LIMIT // len(chunk)):
+            writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        await writer.drain()
+        status, _, reply = http_reply(await read_reply(reader))
+        writer.close()
+        assert status == 413
+        assert reply["error"].startswith("request body of at least ")
+        assert reply["error"].endswith(
+            f"bytes is over the limit of {LIMIT} (master.max_request_bytes)"
+        )
+
+        # Compressed small, but over the limit once inflated: refused as well.
+        bomb = gzip.compress(b" " * (4 * LIMIT))
+        async with session.post(
+            url(port, "/register"),
+            data=bomb,
+            headers={**AUTH, "Content-Encoding": "gzip", "Content-Type": "application/json"},
+        ) as r:
+            assert r.status == 413, await r.text()
+            assert "master.max_request_bytes" in (await r.json())["error"]
+
+        # Just under the limit, chunked: served.
+        reg = json.dumps({"node_id": "node-0", "host": "h", "addr": "127.0.0.1", "pid": 1})
+        padded = reg.encode().ljust(LIMIT - 10)
+
+        async def chunks():
+            for i in range(0, len(padded), 5000):
+                yield padded[i : i + 5000]
+
+        async with session.post(url(port, "/register"), data=chunks(), headers=AUTH) as r:
+            assert r.status == 200, await r.text()
+        assert master.nodes["node-0"].phase.value == "registered"
+        async with session.get(url(port, "/status"), headers=AUTH) as r:
+            assert r.status == 200
+
+    asyncio.run(with_guarded_master(tmp_path, body, ServerLimits(max_request_bytes=LIMIT)))
+
+
+def test_the_public_probe_needs_no_token_and_nothing_else_is_public(tmp_path):
+    async def body(master, session, port):
+        base = f"http://127.0.0.1:{port}"
+        async with session.get(f"{base}/healthz") as r:
+            assert r.status == 200 and await r.json() == {"ok": True}
+        async with session.post(f"{base}/healthz", json={}) as r:  # only the probe's GET
+            assert r.status == 401
+        for path in (f"{API_PREFIX}/status", f"{API_PREFIX}/nowhere", "/healthz/x", "/"):
+            async with session.get(base + path) as r:
+                assert r.status == 401, path
+                assert r.headers["WWW-Authenticate"].startswith("Bearer")
+        # With the token, an unknown route or method is a JSON error too.
+        async with session.get(f"{base}{API_PREFIX}/nowhere", headers=AUTH) as r:
+            assert r.status == 404 and "error" in await r.json()
+        async with session.get(url(port, "/register"), headers=AUTH) as r:
+            assert r.status == 405 and r.headers["Allow"] == "POST"
+            assert "Method Not Allowed" in (await r.json())["error"]
+
+    asyncio.run(with_guarded_master(tmp_path, body, ServerLimits()))
+
+
+NOT_AS_THE_SCHEMA_SAYS = [
+    (b'{"node_id": "node-0", "addr": "a", "port": 1.5}', "port:"),
+    (b'{"node_id": "node-0", "addr": "a", "port": "80"}', "port:"),
+    (b'{"node_id": "node-0", "addr": "a", "port": true}', "port:"),
+    (b'{"node_id": "node-0", "addr": "a", "port": 80, "last_step": 1e999}', "<body>:"),
+    (b'{"node_id": "node-0", "addr": "a", "port": NaN}', "<body>:"),
+    (b"[" * 10000, "<body>:"),
+    (b"\xff\xfe", "<body>:"),
+]
+
+
+def test_bodies_are_read_as_their_schema_says_and_nothing_looser(tmp_path):
+    async def run(master, session, port):
+        reg = {"node_id": "node-0", "host": "h", "addr": "127.0.0.1", "pid": 1}
+        async with session.post(url(port, "/register"), json=reg, headers=AUTH) as r:
+            assert r.status == 200
+        for body, problem in NOT_AS_THE_SCHEMA_SAYS:
+            async with session.post(url(port, "/rendezvous/join"), data=body, headers=AUTH) as r:
+                assert r.status == 400, (body, await r.text())
+                reply = await r.json()
+                assert reply["error"] == "invalid JoinRequest"
+                assert reply["problems"][0].startswith(problem), reply
+        assert master.nodes["node-0"].phase.value == "registered"
+        # A whole number is an integer however it is written, as in JSON Schema.
+        beat = {"node_id": "node-0", "round": 0.0, "activity": "idle", "wait": False}
+        async with session.post(url(port, "/heartbeat"), json=beat, headers=AUTH) as r:
+            assert r.status == 200, await r.text()
+
+    asyncio.run(with_guarded_master(tmp_path, run, ServerLimits()))

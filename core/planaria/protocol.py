@@ -223,6 +223,14 @@ class WorkerFailure(Message):
 class WorkersReport(Message):
     """Sent when a node's workers all succeeded, or at the first failure."""
 
+    # The rule the master holds a report to, in its schema: a failure report names the failure.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {"properties": {"succeeded": {"const": False}}},
+            "then": {"required": ["failure"], "properties": {"failure": {"type": "object"}}},
+        }
+    )
+
     node_id: str
     round: int
     succeeded: bool
@@ -241,6 +249,28 @@ class ChaosReport(Message):
 
 class Ack(Message):
     ok: bool = True
+
+
+class Probe(Message):
+    """``GET /healthz``: the master is serving."""
+
+    ok: bool = True
+
+
+class ApiError(Message):
+    """Every error the API answers: what is wrong and what to do."""
+
+    error: str
+    retry: bool = False
+    """503 only: the master cannot answer yet (a launch in flight); ask again shortly."""
+
+
+class InvalidRequest(ApiError):
+    """400: a request body that does not validate, or that makes no sense for the job."""
+
+    problems: list[str]
+    """One line per invalid field, ``path.to.field: what is wrong`` (``<body>``: the body as a
+    whole); empty when the body is valid but the job cannot accept it."""
 
 
 class NodeStatus(Message):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from planaria.cli import check, config_cmd, plugins, run, submit  # noqa: F401 - registers
+from planaria.cli import api_schema, check, config_cmd, plugins, run, submit  # noqa: F401 - registers
 from planaria.cli.app import EXIT_USAGE, app
 from planaria.cli.output import error
 from planaria.errors import PlanariaError

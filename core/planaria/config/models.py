@@ -466,6 +466,11 @@ class MasterSection(Section):
         ge=1,
         description="open connections one client address may hold; more are refused",
     )
+    max_request_bytes: int = Field(
+        default=1 << 20,
+        ge=1024,
+        description="largest request body the master's API reads; a larger one gets a 413",
+    )
 
 
 class Config(Section):

@@ -50,7 +50,7 @@ class JobControl(Protocol):
     def stop_reason(self) -> str: ...
 
     def heard_from(self, node_id: str, *, fence: bool = True) -> Node:
-        """The node that just spoke (its heartbeat window starts again); KeyError if unknown.
+        """The node that just spoke (its heartbeat window starts again); UnknownNode if unknown.
         One declared lost is told to stop (``fence``: :class:`~planaria.master.state.Fenced`)."""
         ...
 

@@ -139,6 +139,7 @@ class Diagnosis:
 
     def chaos(self, report: ChaosReport) -> None:
         """A fault injected on purpose is about to fire: the timeline says so first."""
+        self.job.heard_from(report.node_id)  # a node the job knows, as for every report
         self.job.emit(
             events.FaultDetected(fault="chaos", rule=report.rule.model_dump(mode="json")),
             f"chaos: {report.rule.kind} on node {report.node_id}",

@@ -41,6 +41,7 @@ from planaria.master.state import (
     NodePhase,
     NotAttached,
     RegistrationRefused,
+    UnknownNode,
 )
 from planaria.master.timeline import Fault, Summary, Timeline
 from planaria.protocol import (
@@ -179,7 +180,7 @@ class Master:
         round with the rank the journal gives it, they go on untouched."""
         node = self.nodes.get(request.node_id)
         if node is None:
-            raise KeyError(request.node_id)
+            raise UnknownNode(request.node_id)
         if node.phase is NodePhase.LOST:
             self._fenced(node, "reattach")
         if (node.pid, node.host) != (request.pid, request.host):
@@ -252,7 +253,7 @@ class Master:
         re-attached to a restarted master is asked to first."""
         node = self.nodes.get(node_id)
         if node is None:
-            raise KeyError(node_id)
+            raise UnknownNode(node_id)
         if node.phase is NodePhase.LOST and fence:
             self._fenced(node)
         if not node.attached:

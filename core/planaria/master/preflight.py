@@ -49,7 +49,7 @@ from planaria.fault_pattern.api import FaultClass
 from planaria.log import get_logger
 from planaria.master.control import JobControl
 from planaria.master.policy import Decision, FaultType, Source
-from planaria.master.state import BadReport, Node, NodePhase
+from planaria.master.state import Conflict, Node, NodePhase
 from planaria.master.timeline import Fault
 
 log = get_logger("master.preflight")
@@ -152,7 +152,7 @@ class Preflight:
         if group is None or result.node_id not in group.members:
             if any(g.name == result.group for g in self.closed):
                 return  # late: the group was judged without it (a timeout)
-            raise BadReport(f"no pre-flight group {result.group!r} with node {result.node_id!r}")
+            raise Conflict(f"no pre-flight group {result.group!r} with node {result.node_id!r}")
         group.results[result.node_id] = Outcome(
             result.node_id, result.status, dict(result.measures), result.error
         )

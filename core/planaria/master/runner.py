@@ -394,6 +394,7 @@ async def _run(
         limits = ServerLimits(
             request_timeout=config.master.request_timeout,
             per_client=config.master.max_connections_per_client,
+            max_request_bytes=config.master.max_request_bytes,
         )
         app_ = make_app(master, token, hold=config.master.heartbeat_interval, limits=limits)
         wire = transport(config.master.host, config.master.tls)

@@ -1,40 +1,41 @@
-"""The master's HTTP/JSON API (aiohttp). Every request needs the job's token.
+"""The master's HTTP/JSON API (aiohttp): one handler per row of the route table
+(:data:`planaria.master.routes.ROUTES`). Every request needs the job's token, except the public
+probe ``GET /healthz``.
 
-Bad requests get 400 with what is wrong and where; an unknown node 404; a missing or wrong
-token 401, and nothing changes. A client that sends its request too slowly (a half-sent header or
-body) is cut off, and one address cannot hold more than a bounded number of connections.
-"""
+Bad requests get 400 with what is wrong and where (bodies are read strictly, as their schema
+says); an unknown node 404; a missing or wrong token 401, and nothing changes; a body over
+``max_request_bytes`` 413, chunked or not. A client that sends its request too slowly (a
+half-sent header or body) is cut off, and one address cannot hold more than a bounded number of
+connections."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
+import math
 import ssl
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import pydantic_core
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from planaria.diagnosis.messages import HangReport, HealthReport, PreflightPoll, PreflightResult
 from planaria.log import get_logger
 from planaria.master.job import Master
-from planaria.master.state import BadReport, Fenced, NotAttached, RegistrationRefused
-from planaria.protocol import (
-    API_PREFIX,
-    Ack,
-    ChaosReport,
-    CheckpointEvent,
-    Heartbeat,
-    HeartbeatReply,
-    JoinRequest,
-    ReattachRequest,
-    RegisterReply,
-    RegisterRequest,
-    WorkersReport,
+from planaria.master.routes import ROUTES, Context, Route
+from planaria.master.state import (
+    BadReport,
+    Conflict,
+    Fenced,
+    NotAttached,
+    RegistrationRefused,
+    UnknownNode,
 )
+from planaria.protocol import ApiError, InvalidRequest
 
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -49,6 +50,8 @@ class ServerLimits:
     the header to the end of the body."""
     per_client: int = 1024
     """Connections one client address may hold at once."""
+    max_request_bytes: int = 1 << 20
+    """The largest request body served; a larger one is refused with 413."""
 
 
 class _Connections:
@@ -144,14 +147,29 @@ class _Guard(asyncio.Protocol):
         self.inner.connection_lost(exc)
 
 
-def _json(model: BaseModel, status: int = 200) -> web.Response:
+def _json(
+    model: BaseModel,
+    status: int = 200,
+    headers: dict[str, str] | None = None,
+    *,
+    exclude_defaults: bool = False,
+) -> web.Response:
     return web.Response(
-        text=model.model_dump_json(), status=status, content_type="application/json"
+        text=model.model_dump_json(exclude_defaults=exclude_defaults),
+        status=status,
+        content_type="application/json",
+        headers=headers,
     )
 
 
-def _error(status: int, message: str, **extra: Any) -> web.Response:
-    return web.json_response({"error": message, **extra}, status=status)
+def _error(
+    status: int, message: str, *, retry: bool = False, headers: dict[str, str] | None = None
+) -> web.Response:
+    return _json(ApiError(error=message, retry=retry), status, headers, exclude_defaults=True)
+
+
+def _invalid(message: str, problems: list[str]) -> web.Response:
+    return _json(InvalidRequest(error=message, problems=problems), 400)
 
 
 class BadRequest(Exception):
@@ -159,32 +177,105 @@ class BadRequest(Exception):
         self.response = response
 
 
+async def _read(request: web.Request, limit: int) -> bytes:
+    """The whole body, refused (413) as soon as it is over ``limit`` bytes: at once when its
+    Content-Length says so, else when that many bytes came (a chunked body announces no size).
+    Counted after any Content-Encoding is undone, so a small compressed body cannot expand
+    past the limit either."""
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise BadRequest(_too_large(f"{declared} bytes", limit))
+    body = bytearray()
+    while chunk := await request.content.readany():
+        body.extend(chunk)
+        if len(body) > limit:
+            raise BadRequest(_too_large(f"at least {len(body)} bytes", limit))
+    return bytes(body)
+
+
+def _too_large(size: str, limit: int) -> web.Response:
+    return _error(
+        413,
+        f"request body of {size} is over the limit of {limit} (master.max_request_bytes)",
+        headers={"Connection": "close"},
+    )
+
+
 async def _body(request: web.Request, model: type[M]) -> M:
-    limit: float = request.app[LIMITS].request_timeout
+    limits = request.app[LIMITS]
     try:
-        raw = await asyncio.wait_for(request.read(), timeout=limit)
+        raw = await asyncio.wait_for(
+            _read(request, limits.max_request_bytes), timeout=limits.request_timeout
+        )
     except asyncio.TimeoutError:
         raise BadRequest(
-            _error(408, f"the request body did not arrive within {limit:g}s")
+            _error(408, f"the request body did not arrive within {limits.request_timeout:g}s")
         ) from None
     try:
-        return model.model_validate_json(raw)
+        data = _numbers(pydantic_core.from_json(raw, allow_inf_nan=False))
+    except ValueError as exc:
+        raise BadRequest(_invalid(f"invalid {model.__name__}", [f"<body>: {exc}"])) from None
+    try:
+        # Strict: a field is the JSON type its schema says (no "1" for 1, no false for 0.0),
+        # as agents send it; what the document describes is what the server takes.
+        return model.model_validate(data, strict=True)
     except ValidationError as exc:
         problems = [
             f"{'.'.join(map(str, e['loc'])) or '<body>'}: {e['msg']}"
             for e in exc.errors(include_url=False)
         ]
-        raise BadRequest(_error(400, f"invalid {model.__name__}", problems=problems)) from None
+        raise BadRequest(_invalid(f"invalid {model.__name__}", problems)) from None
+
+
+def _numbers(value: Any) -> Any:
+    """JSON numbers as JSON Schema reads them: ``3.0`` is the integer 3 (a client in a language
+    with one number type cannot tell them apart), and a number too large for a float (``1e999``)
+    is refused rather than taken as infinity."""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError("a number is out of range")
+        return int(value) if value.is_integer() else value
+    if isinstance(value, list):
+        return [_numbers(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _numbers(v) for k, v in value.items()}
+    return value
+
+
+def _handler(route: Route, context: Context) -> Handler:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = None if route.request is None else await _body(request, route.request)
+        reply = route.call(context, body)
+        if inspect.isawaitable(reply):
+            reply = await reply
+        if not isinstance(reply, route.reply):
+            raise TypeError(
+                f"{route.method} {route.path} answered {type(reply).__name__}, "
+                f"not its {route.reply.__name__}"
+            )
+        return _json(reply)
+
+    return handle
 
 
 LIMITS: web.AppKey[ServerLimits] = web.AppKey("limits", ServerLimits)
 BOOK: web.AppKey[_Connections] = web.AppKey("connections", _Connections)
+_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="planaria"'}
 
 
 def make_app(
-    master: Master, token: str, hold: float, limits: ServerLimits | None = None
+    master: Master,
+    token: str,
+    hold: float,
+    limits: ServerLimits | None = None,
+    *,
+    join_hold: float = 5.0,
+    routes: Sequence[Route] = ROUTES,
 ) -> web.Application:
+    """The API of ``master``, one handler per row of ``routes``. ``hold``: the longest a
+    heartbeat or pre-flight long poll holds a request; ``join_hold``: a rendezvous join."""
     expected = f"Bearer {token}".encode()
+    public = {(r.method, r.path) for r in routes if r.public}
 
     @web.middleware
     async def timed(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -202,92 +293,52 @@ def make_app(
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        # aiohttp decodes header bytes that are not UTF-8 as surrogates: take the bytes back
-        # as they came, so that any header is a plain mismatch (401), never an error.
-        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        if not hmac.compare_digest(given, expected):
-            return _error(401, "missing or wrong token (Authorization: Bearer <job token>)")
+        if (request.method, request.path) not in public:
+            # aiohttp decodes header bytes that are not UTF-8 as surrogates: take the bytes
+            # back as they came, so that any header is a plain mismatch (401), never an error.
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(given, expected):
+                return _error(
+                    401,
+                    "missing or wrong token (Authorization: Bearer <job token>)",
+                    headers=_CHALLENGE,
+                )
         try:
             return await handler(request)
         except BadRequest as bad:
             return bad.response
         except Fenced as exc:
-            return _error(410, str(exc), fenced=True)
+            return _error(410, str(exc))
         except NotAttached as exc:
             return _error(409, f"node {exc.args[0]!r}: re-attach first (a new master)")
-        except KeyError as exc:
+        except UnknownNode as exc:
             return _error(404, f"unknown node {exc.args[0]!r}: register first")
         except BadReport as exc:
-            return _error(400, str(exc))
+            return _invalid(str(exc), [])
+        except Conflict as exc:
+            return _error(409, str(exc))
         except RegistrationRefused as exc:
             if exc.retry:
                 return _error(503, str(exc), retry=True)
             return _error(403, str(exc))
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+            return _error(
+                exc.status, f"{request.method} {request.path}: {exc.reason}", headers=allow
+            )
+        except Exception as exc:
+            log.exception("API request failed", method=request.method, path=request.path)
+            return _error(500, f"the master failed to serve {request.path}: {exc!r}")
 
-    async def register(request: web.Request) -> web.StreamResponse:
-        body = await _body(request, RegisterRequest)
-        return _json(RegisterReply(spec=master.register(body)))
-
-    async def reattach(request: web.Request) -> web.StreamResponse:
-        return _json(master.reattach(await _body(request, ReattachRequest)))
-
-    async def join(request: web.Request) -> web.StreamResponse:
-        return _json(await master.join(await _body(request, JoinRequest)))
-
-    async def heartbeat(request: web.Request) -> web.StreamResponse:
-        beat = await _body(request, Heartbeat)
-        action = await master.heartbeat(beat, hold if beat.wait else 0.0)
-        return _json(HeartbeatReply(action=action))
-
-    async def workers(request: web.Request) -> web.StreamResponse:
-        master.workers_report(await _body(request, WorkersReport))
-        return _json(Ack())
-
-    async def chaos(request: web.Request) -> web.StreamResponse:
-        master.diagnosis.chaos(await _body(request, ChaosReport))
-        return _json(Ack())
-
-    async def checkpoint(request: web.Request) -> web.StreamResponse:
-        master.checkpoint_event(await _body(request, CheckpointEvent))
-        return _json(Ack())
-
-    async def hang(request: web.Request) -> web.StreamResponse:
-        master.diagnosis.hang(await _body(request, HangReport))
-        return _json(Ack())
-
-    async def health(request: web.Request) -> web.StreamResponse:
-        master.diagnosis.unhealthy(await _body(request, HealthReport))
-        return _json(Ack())
-
-    async def preflight_next(request: web.Request) -> web.StreamResponse:
-        return _json(await master.preflight.next(await _body(request, PreflightPoll), hold))
-
-    async def preflight_result(request: web.Request) -> web.StreamResponse:
-        master.preflight.result(await _body(request, PreflightResult))
-        return _json(Ack())
-
-    async def status(request: web.Request) -> web.StreamResponse:
-        return _json(master.status())
-
-    app = web.Application(middlewares=[timed, guard], client_max_size=1 << 20)
-    app[LIMITS] = limits or ServerLimits()
-    app[BOOK] = _Connections(app[LIMITS])
-    app.add_routes(
-        [
-            web.post(f"{API_PREFIX}/register", register),
-            web.post(f"{API_PREFIX}/reattach", reattach),
-            web.post(f"{API_PREFIX}/rendezvous/join", join),
-            web.post(f"{API_PREFIX}/heartbeat", heartbeat),
-            web.post(f"{API_PREFIX}/workers", workers),
-            web.post(f"{API_PREFIX}/chaos", chaos),
-            web.post(f"{API_PREFIX}/checkpoint/event", checkpoint),
-            web.post(f"{API_PREFIX}/hang", hang),
-            web.post(f"{API_PREFIX}/health", health),
-            web.post(f"{API_PREFIX}/preflight/next", preflight_next),
-            web.post(f"{API_PREFIX}/preflight/result", preflight_result),
-            web.get(f"{API_PREFIX}/status", status),
-        ]
-    )
+    limits = limits or ServerLimits()
+    app = web.Application(middlewares=[timed, guard], client_max_size=limits.max_request_bytes)
+    app[LIMITS] = limits
+    app[BOOK] = _Connections(limits)
+    context = Context(master=master, hold=hold, join_hold=join_hold)
+    for route in routes:
+        app.router.add_route(route.method, route.path, _handler(route, context))
     return app
 
 

@@ -22,6 +22,16 @@ class BadReport(ValueError):
     """A request that is well-formed but makes no sense for the job."""
 
 
+class Conflict(ValueError):
+    """A valid request that the job's state does not allow now (409): a pre-flight result for
+    a group the node is not in. Unlike :class:`BadReport`, the same request may be right at
+    another time, so it says nothing about the sender's wire format."""
+
+
+class UnknownNode(KeyError):
+    """A request names a node the master does not know: it has to register first."""
+
+
 class RegistrationRefused(PermissionError):
     """A registration the master will not accept: a node id it never launched, or a second
     agent claiming a node that is already registered. ``retry``: the id may still come (a
