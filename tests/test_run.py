@@ -164,7 +164,8 @@ def test_faults_are_recovered_and_the_weights_are_bitwise_those_of_a_clean_run(t
     generation = json.loads(fence.read_text())["generation"]
     assert generation == rounds[-1]["data"]["round"]
     manifests = [json.loads(m.read_text()) for m in fence.parent.glob("step-*/manifest.json")]
-    assert manifests and all(m["generation"] >= generation for m in manifests)
+    later = [m for m in manifests if m["created"] > fence.stat().st_mtime]
+    assert later and all(m["generation"] >= generation for m in later)
 
     (clean_out,) = clean_dir.glob("**/final.pt")
     (faulty_out,) = faulty_dir.glob("**/final.pt")
