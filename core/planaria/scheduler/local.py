@@ -310,9 +310,10 @@ class LocalScheduler(Scheduler[LocalOptions]):
 
     def replace(self, node_id: str, *, exclude_host: bool) -> NodeHandle:
         """Stop ``node_id`` (gracefully, within ``stop_grace``) if it still runs, unless
-        ``keep_replaced`` leaves it running, and start a node with a new id and the same spec. With ``exclude_host`` the old node's host is
-        excluded from now on. Raises :class:`SchedulerError`, changing nothing, when no host is
-        left to place the new node on, or after :meth:`interrupt`."""
+        ``keep_replaced`` leaves it running, and start a node with a new id and the same
+        spec. With ``exclude_host`` the old node's host is excluded from now on. Raises
+        :class:`SchedulerError`, changing nothing, when no host is left to place the new node
+        on, or after :meth:`interrupt`."""
         self._check_thread()
         self.check_interrupted(f"cannot replace {node_id}")
         if node_id in self._queue:  # never started: the new node simply takes its place

@@ -25,7 +25,7 @@ Two kinds of cut:
   100%``: ``sch_netem`` is a kernel module that many kernels, this project's CI VMs included,
   do not have.)
 - ``down``: the hub's end of the veth pair goes down, so the participant's ``eth0`` loses its
-  carrier: sends fail at once, the way a pulled cable looks to the host itself.
+  carrier, the way a pulled cable looks to the host itself (its kernel knows the link is down).
 
 Teardown (:meth:`Network.close`, also on leaving the ``with`` block) always removes
 everything: it kills every process still in one of the namespaces (``ip netns pids``), then
