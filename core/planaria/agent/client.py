@@ -88,6 +88,9 @@ class MasterClient:
         self.token = token
         self.give_up_after = give_up_after
         self._ssl = _pin(self.url, fingerprint)
+        self.read_timeout: float | None = None
+        """The longest a reply may keep silent: a master cut off by the network sends
+        nothing, and only this ends the request (then tried again, within the grace)."""
         self.reattach: Callable[[], Awaitable[None]] | None = None
         self._unreachable_since: float | None = None
         self._session = aiohttp.ClientSession(
@@ -131,14 +134,16 @@ class MasterClient:
 
     async def _request(self, path: str, body: BaseModel | None) -> tuple[int, str]:
         ssl = True if self._ssl is None else self._ssl
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.read_timeout)
         if body is None:
-            request = self._session.get(f"{self.url}{API_PREFIX}{path}", ssl=ssl)
+            request = self._session.get(f"{self.url}{API_PREFIX}{path}", ssl=ssl, timeout=timeout)
         else:
             request = self._session.post(
                 f"{self.url}{API_PREFIX}{path}",
                 data=body.model_dump_json(),
                 headers={"Content-Type": "application/json"},
                 ssl=ssl,
+                timeout=timeout,
             )
         async with request as response:
             return response.status, await response.text()

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from planaria.agent import address
+from planaria.agent.address import ADDR_ENV
 from planaria.agent.checkpoints import NodeCheckpoints
 from planaria.agent.client import Fenced, MasterClient, MasterUnreachable
 from planaria.agent.preflight import preflight
@@ -35,7 +37,6 @@ from planaria.diagnosis.messages import HangReport, HealthReport
 from planaria.diagnosis.watch import NodeWatch
 from planaria.errors import PlanariaError
 from planaria.log import bind, get_logger
-from planaria.master.transport import is_loopback
 from planaria.progress import ENV as PROGRESS_ENV
 from planaria.progress import ProgressBoard
 from planaria.protocol import (
@@ -66,12 +67,9 @@ POLL = 0.02
 
 def node_address(master_url: str) -> str:
     """Where other nodes reach this one: ``PLANARIA_ADDR``, loopback when the master is on
-    loopback (every node is on this machine), else this host's resolved address."""
-    if os.environ.get("PLANARIA_ADDR"):
-        return os.environ["PLANARIA_ADDR"]
-    if is_loopback(urlparse(master_url).hostname or ""):
-        return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
+    loopback (every node is on this machine), else the local address of the route to the
+    master (see :mod:`planaria.agent.address`)."""
+    return address.node_address(urlparse(master_url).hostname or "", os.environ.get(ADDR_ENV))
 
 
 def free_port(addr: str) -> int:
@@ -128,6 +126,9 @@ class Agent:
         # From here on the workers run: an outage of the master is ridden out for the grace
         # (a restarted master takes the job over), and then they are stopped.
         self.client.give_up_after = spec.master_grace
+        # Long polls are held for the heartbeat interval (a join for 5s): a longer silence
+        # is a master that is gone or cut off.
+        self.client.read_timeout = max(spec.heartbeat_timeout, spec.heartbeat_interval + 5, 10.0)
         self.client.reattach = self._reattach
         base_env = {**os.environ, **spec.env, "PLANARIA_RUN_DIR": spec.run_dir}
         if spec.procs_per_node > 1:
@@ -533,7 +534,10 @@ async def main(
     master_url: str, token: str, node_id: str, host: str, fingerprint: str | None = None
 ) -> int:
     client = MasterClient(master_url, token, fingerprint=fingerprint)
-    agent = Agent(client, node_id, host, node_address(master_url))
+    addr = node_address(master_url)
+    # Gloo binds this address's interface: workers and pre-flight benchmarks inherit it.
+    os.environ.update(address.gloo_interface(addr, os.environ))
+    agent = Agent(client, node_id, host, addr)
     task = asyncio.ensure_future(agent.run())
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

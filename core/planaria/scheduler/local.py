@@ -25,6 +25,17 @@ have at most ``max_nodes`` nodes (by default 4 per CPU), and as many workers as
 :mod:`planaria.capacity` allows for this machine's CPUs and process table; this is checked when
 the config loads, and the node count again at every launch. A fork storm is refused, not begun.
 
+Network namespaces: with ``netns: [a, b, ...]`` node ``node-i`` (a replacement too: it gets
+the next number) runs in namespace ``netns[i % len]`` through ``ip netns exec``, which needs
+root. With the master in a namespace of its own and the namespaces joined by veth pairs on a
+bridge (:mod:`planaria.testing.netns` makes such a network), every node talks to the master
+and to its peers over a network that can really be cut: partitions rehearsed on one machine.
+``/dev/shm`` stays shared (``ip netns exec`` makes a mount namespace of its own, but only
+remounts ``/sys``), so flash checkpoints work as without namespaces. ``keep_replaced`` leaves a
+replaced node running, unwatched, until the job ends, as a cluster scheduler that cannot reach
+a partitioned machine must: what stops it then is the master's word when it hears from the
+node again (fencing), not a signal from this machine.
+
 Nodes are started, and their groups killed, through :mod:`planaria.process`; the pid the
 scheduler watches is the agent's own. The agent ties the workers it starts to itself.
 """
@@ -32,6 +43,7 @@ scheduler watches is the agent's own. The agent ties the workers it starts to it
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -41,7 +53,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from planaria import process
 from planaria.capacity import process_headroom, shortfall, usable_cpus
@@ -69,6 +81,9 @@ NODES_PER_CPU = 4
 MIN_MAX_NODES = 8
 # Besides its workers, a node runs its agent, the warm interpreter and the persister.
 PROCESSES_PER_NODE = 3
+
+NETNS_DIR = Path("/run/netns")
+_NETNS_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
 
 
 class LocalOptions(BaseModel):
@@ -98,6 +113,30 @@ class LocalOptions(BaseModel):
         description=f"the most nodes a job may have at once on this machine, pending ones "
         f"included (default: {NODES_PER_CPU} per CPU, at least {MIN_MAX_NODES})",
     )
+
+    keep_replaced: bool = Field(
+        default=False,
+        description="leave a replaced node's processes running (unwatched) until the job "
+        "ends, as a cluster scheduler that cannot reach a partitioned machine leaves them: "
+        "to rehearse fencing",
+    )
+    netns: list[str] = Field(
+        default_factory=list,
+        description="network namespaces the nodes run in, to rehearse partitions on one "
+        "machine: node i (node-i, replacements included) runs in netns[i % len] through "
+        "`ip netns exec` (needs root; each must exist)",
+    )
+
+    @field_validator("netns")
+    @classmethod
+    def _netns_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not _NETNS_NAME.fullmatch(name) or name in (".", ".."):
+                raise ValueError(
+                    f"{name!r} is not a network namespace name: use letters, digits, '.', "
+                    "'_' and '-' (the name of a file in /run/netns)"
+                )
+        return names
 
     @property
     def node_limit(self) -> int:
@@ -313,10 +352,11 @@ class LocalScheduler(Scheduler[LocalOptions]):
         return events
 
     def replace(self, node_id: str, *, exclude_host: bool) -> NodeHandle:
-        """Stop ``node_id`` (gracefully, within ``stop_grace``) if it still runs and start a
-        node with a new id and the same spec. With ``exclude_host`` the old node's host is
-        excluded from now on. Raises :class:`SchedulerError`, changing nothing, when no host is
-        left to place the new node on, or after :meth:`interrupt`."""
+        """Stop ``node_id`` (gracefully, within ``stop_grace``) if it still runs, unless
+        ``keep_replaced`` leaves it running, and start a node with a new id and the same
+        spec. With ``exclude_host`` the old node's host is excluded from now on. Raises
+        :class:`SchedulerError`, changing nothing, when no host is left to place the new node
+        on, or after :meth:`interrupt`."""
         self._check_thread()
         self.check_interrupted(f"cannot replace {node_id}")
         if node_id in self._queue:  # never started: the new node simply takes its place
@@ -332,7 +372,10 @@ class LocalScheduler(Scheduler[LocalOptions]):
         if exclude_host:
             self._excluded.add(node.host)
         self._release([node])
-        self._terminate([node], grace=self.options.stop_grace)
+        if self.options.keep_replaced:
+            log.info("replaced node left running (keep_replaced)", node=node_id, pid=node.pid)
+        else:
+            self._terminate([node], grace=self.options.stop_grace)
         new_id = self._new_id()
         if not self._has_slot():
             self._queue[new_id] = (node.spec, avoid)
@@ -448,6 +491,39 @@ class LocalScheduler(Scheduler[LocalOptions]):
                 f"cannot launch nodes: {spec.command[0]!r} is not an executable file"
                 + ("" if os.sep in spec.command[0] else " found on PATH")
             )
+        if self.options.netns:
+            self._check_netns(path)
+
+    def _check_netns(self, path: str) -> None:
+        """Nodes run through ``ip netns exec``: it must be there, and so must every
+        namespace, and entering one needs root."""
+        why = "cannot launch nodes in network namespaces (scheduler.options.netns)"
+        if shutil.which("ip", path=path) is None:
+            raise SchedulerError(f"{why}: the `ip` command (iproute2) is not on PATH")
+        if os.geteuid() != 0:
+            raise SchedulerError(f"{why}: entering a network namespace needs root")
+        missing = [name for name in self.options.netns if not (NETNS_DIR / name).exists()]
+        if missing:
+            raise SchedulerError(
+                f"{why}: no network namespace {', '.join(map(repr, missing))} "
+                f"(not in {NETNS_DIR}); create it with `ip netns add {missing[0]}` and link it "
+                "to the master's network (a veth pair), or remove it from the list"
+            )
+
+    def _command(self, spec: LaunchSpec, node_id: str) -> tuple[str, ...]:
+        """The node's command; in its network namespace when ``netns`` is set. ``ip netns
+        exec`` execs the command in the same process (no fork), so the pid, the process
+        group and the death signal set before the exec stay the node's own."""
+        names = self.options.netns
+        if not names:
+            return spec.command
+        netns = names[int(node_id.rsplit("-", 1)[1]) % len(names)]
+        if not (NETNS_DIR / netns).exists():  # removed since the launch was checked
+            raise SchedulerError(
+                f"cannot start {node_id} in network namespace {netns!r}: it no longer exists "
+                f"(not in {NETNS_DIR}); create it with `ip netns add {netns}`"
+            )
+        return ("ip", "netns", "exec", netns, *spec.command)
 
     def _check_room(self, count: int) -> None:
         """The job's size was checked when its config loaded; this holds for every caller."""
@@ -491,7 +567,7 @@ class LocalScheduler(Scheduler[LocalOptions]):
             ) from exc
         try:
             proc = process.popen(
-                spec.command,
+                self._command(spec, node_id),
                 die_with_parent=not spec.detached,
                 env=env,
                 stdin=subprocess.DEVNULL,
