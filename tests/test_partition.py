@@ -6,7 +6,7 @@ gloo across the namespaces) trains.
 - a longer one loses the node, a replacement (in a spare namespace) takes its place and the job
   completes; once healed, the old node hears from the master that it is out, and stops;
 - a cut of the master itself, longer than the heartbeat timeout but within ``master.grace``,
-  costs nothing either once it heals (expected to fail until the master's grace exists).
+  costs nothing either once it heals: both sides wait for ``master.grace``.
 
 Each job is small (2 nodes x 1 worker, a tiny model) and every process it starts carries a
 mark: after each test none may be left, in the namespaces or anywhere. Needs root (see
@@ -29,7 +29,6 @@ from typing import Any
 import pytest
 import yaml
 
-from planaria.config.models import MasterSection
 from planaria.testing.netns import Network, unavailable
 
 torch = pytest.importorskip("torch")
@@ -50,7 +49,6 @@ SHORT_CUT = 1.0
 about as long again before the first packet after the heal gets through."""
 PARTICIPANTS = ("master", "n0", "n1", "n2")
 """n0 and n1 for the job's two nodes, n2 for a replacement."""
-HAS_GRACE = "grace" in MasterSection.model_fields
 
 COMMAND = [
     sys.executable, str(EXAMPLE), "--steps", str(STEPS), "--ckpt-every", "10",
@@ -306,16 +304,10 @@ def test_a_cut_longer_than_the_timeout_replaces_the_node_which_stops_once_healed
     print(f"old node stopped {stopped_after:.1f}s after the heal (cut {cut_for:.1f}s)")
 
 
-@pytest.mark.xfail(
-    not HAS_GRACE,
-    reason="master grace not yet built: agents that lose the master give up after the "
-    "heartbeat timeout, and the master declares every silent node lost",
-    strict=True,
-)
 def test_a_cut_master_within_its_grace_costs_no_restart(
     job: Callable[..., Job], fault_free: dict[str, Any]
 ) -> None:
-    run = job(grace="20s") if HAS_GRACE else job()
+    run = job(grace="20s")
     run.training(CUT_AT)
     run.net.cut("master")
     time.sleep(HEARTBEAT_TIMEOUT * 2)

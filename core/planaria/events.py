@@ -132,8 +132,8 @@ class MasterStalled(Payload):
 
 
 class MasterIsolated(Payload):
-    """No node was heard for the heartbeat timeout: the master may be the one cut off, so it
-    waits for ``master.grace`` before calling them lost."""
+    """No node was heard lately and some are silent past the heartbeat timeout: the master
+    may be the one cut off, so it waits for ``master.grace`` before calling them lost."""
 
     KIND = EventKind.MASTER_ISOLATED
     nodes: int

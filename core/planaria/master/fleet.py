@@ -52,7 +52,9 @@ class Fleet:
         self.grace = heartbeat_timeout
         """How long every node may be silent at once before they count as lost: a master
         that hears from nobody may itself be cut off (``master.grace``)."""
-        self._all_silent_since: float | None = None
+        self._isolated_since: float | None = None
+        self._excused: set[str] = set()
+        """Nodes silent while no node was heard: lost only past the grace."""
 
     def add(self, node: Node) -> Node:
         """Count ``node`` in; the journal hears of its changes from now on."""
@@ -214,25 +216,38 @@ class Fleet:
             for node in watched
             if now - node.last_seen > self.heartbeat_timeout and not but(node.node_id)
         ]
-        if not silent or len(silent) < len(watched):
-            self._all_silent_since = None
-            return silent
-        # Nobody is heard: this master may be the one cut off. The agents keep training for
-        # the grace; so does the master before it calls them lost.
-        if self._all_silent_since is None:
-            self._all_silent_since = now
+        # A node that is alive is heard about every heartbeat interval (its long poll comes
+        # back at once): when none was heard for a few intervals, this master may be the one
+        # cut off. The agents keep training for the grace; so does the master before it calls
+        # any of them lost.
+        # A node silent while the master was cut off keeps that excuse for the grace, also
+        # once others are heard again: its requests may take longer to come through.
+        heard = max((n.last_seen for n in watched), default=now)
+        quiet = min(max(2 * self.heartbeat_interval, 1.0), self.heartbeat_timeout)
+        ids = {n.node_id for n in silent}
+        self._excused &= ids
+        if not silent or now - heard <= quiet:
+            self._isolated_since = None
+            return [n for n in silent if n.node_id not in self._excused or self._past_grace(n, now)]
+        self._excused |= ids
+        if self._isolated_since is None:
+            self._isolated_since = now
             log.warning(
-                "no node heard for the heartbeat timeout: this master may be cut off; "
+                "no node heard lately: this master may be cut off; "
                 "waiting for the grace before any is called lost",
                 nodes=len(silent),
                 grace=self.grace,
             )
             self.timeline.emit(
                 events.MasterIsolated(nodes=len(silent), grace=self.grace),
-                f"none of the {len(silent)} node(s) heard for {self.heartbeat_timeout:g}s: "
-                f"the master may be cut off; waiting up to {self.grace:g}s (master.grace)",
+                f"no node heard for {now - heard:.1f}s, {len(silent)} silent past the heartbeat "
+                f"timeout: the master may be cut off; waiting up to {self.grace:g}s "
+                "(master.grace) before calling them lost",
             )
-        return [n for n in silent if now - n.last_seen > self.grace]
+        return [n for n in silent if self._past_grace(n, now)]
+
+    def _past_grace(self, node: Node, now: float) -> bool:
+        return now - node.last_seen > self.grace
 
     def stall_threshold(self) -> float:
         """A gap between two ticks beyond which the master counts itself as having stalled."""
