@@ -177,3 +177,20 @@ def test_the_sweeper_reports_what_a_trial_left_and_checks_at_the_end(pids: list[
     assert f"pid {grandchild}" in said[0]
     assert sweeper.final() == []
     assert "left behind: nothing" in said[-1] and "2 trials" in said[-1]
+
+
+def test_a_sweeper_left_by_an_error_still_makes_its_last_check() -> None:
+    said: list[str] = []
+    with pytest.raises(RuntimeError, match="the benchmark failed"):
+        with leftovers.Sweeper(grace=0.1, report=said.append) as sweeper:
+            with sweeper.trial("a trial"):
+                subprocess.run(["true"], check=True)
+            raise RuntimeError("the benchmark failed")
+    assert said == [
+        "left behind: nothing (no process of the 1 trials is alive; 0 killed after their trial)"
+    ]
+    with leftovers.Sweeper(report=said.append) as sweeper:
+        with sweeper.trial("another"):
+            pass
+        sweeper.final()
+    assert len(said) == 2  # made once, not again on the way out

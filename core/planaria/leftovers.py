@@ -233,7 +233,10 @@ def describe(found: Iterable[Survivor]) -> str:
 class Sweeper:
     """The markers of a series of runs (a benchmark's trials): each :meth:`trial` runs marked,
     what it left running is killed and reported after it, and :meth:`final` looks once more
-    for any of them. Reports go to ``report`` (default: printed to stdout at once)."""
+    for any of them. Reports go to ``report`` (default: printed to stdout at once).
+
+    As a context manager it makes that last check itself when the block did not (it ended
+    early: an error, an interrupt), so that a failed benchmark still leaves nothing behind."""
 
     def __init__(self, grace: float = 5.0, report: Callable[[str], object] | None = None) -> None:
         self.grace = grace
@@ -241,6 +244,14 @@ class Sweeper:
         self.markers: list[str] = []
         self.killed: list[Survivor] = []
         """Every process a trial left behind, killed after it."""
+        self._checked = True
+
+    def __enter__(self) -> Sweeper:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._checked:
+            self.final()
 
     @contextlib.contextmanager
     def trial(self, name: str) -> Iterator[str]:
@@ -248,6 +259,7 @@ class Sweeper:
         and report what carries it."""
         marker = new_marker()
         self.markers.append(marker)
+        self._checked = False
         try:
             with marking(marker):
                 yield marker
@@ -262,6 +274,7 @@ class Sweeper:
 
     def final(self) -> list[Survivor]:
         """Kill and return whatever carries any marker of the trials now, and say so."""
+        self._checked = True
         found = kill_survivors(self.markers, self.grace) if self.markers else []
         if found:
             self.report(f"left behind: {len(found)} process(es), killed now:\n{describe(found)}")
