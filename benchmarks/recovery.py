@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -304,7 +305,7 @@ def main() -> None:
 
 def compare(args: argparse.Namespace, sweeper: leftovers.Sweeper) -> None:
     """The trials, the overhead and the report."""
-    runners = {
+    runners: dict[str, Callable[[Path], Trial]] = {
         "planaria run": lambda work: run_planaria(args, work),
         "torchrun (defaults)": lambda work: run_torchrun(args, work, workaround=False),
         "torchrun (workaround)": lambda work: run_torchrun(args, work, workaround=True),
