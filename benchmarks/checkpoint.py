@@ -39,7 +39,10 @@ Restore (every restore fills existing, pre-faulted tensors in place, except torc
   ``torch.save`` wrote (in the page cache).
 
 Files go to a temporary directory on the repository's disk (``--dir`` to choose another;
-never tmpfs); everything the benchmark creates is removed at the end, also on error.
+never tmpfs); everything the benchmark creates is removed at the end, also on error. So are its
+processes: the whole run (the persister) and each restarted worker have a marker of their own
+in their environment (:mod:`planaria.leftovers`); what still carries one after its part is
+killed and named, and the end looks once more for all of them (``left_behind`` in the JSON).
 
 Run:  python benchmarks/checkpoint.py [--size-mib 1024] [--tensors 200] [--runs 5]
                                       [--threads N] [--dir PARENT] [--seed 0]
@@ -70,6 +73,7 @@ from typing import Any
 
 import torch
 
+from planaria import leftovers
 from planaria.log import configure as configure_logging
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -320,10 +324,17 @@ RESTORE_ROWS = [
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, work: Path, stack: contextlib.ExitStack) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        work: Path,
+        stack: contextlib.ExitStack,
+        sweeper: leftovers.Sweeper,
+    ) -> None:
         from planaria.checkpoint import Checkpointer
 
         self.args = args
+        self.sweeper = sweeper
         self.work = work
         self.stack = stack
         self.Checkpointer = Checkpointer
@@ -449,7 +460,8 @@ class Bench:
                 new.close()
         self.record("restore_new", seconds)
 
-        self.record("restore", self.restore_in_child())
+        with self.sweeper.trial(f"the restarted worker of run {run + 1}"):
+            self.record("restore", self.restore_in_child())
 
         path = self.files[-1]
         seconds, loaded = timed(lambda: torch.load(path, weights_only=True, map_location="cpu"))
@@ -541,10 +553,19 @@ def main() -> None:
 
     parent = disk_dir(args.dir)
     configure_logging(level="warning")  # the restarted worker logs as a worker does
+    with leftovers.Sweeper() as sweeper:  # checks at the end even if the benchmark fails
+        with sweeper.trial("the benchmark (its persister)"):
+            result = measure(args, parent, sweeper)
+        left = sweeper.final()
+    print(json.dumps({**result, "survivors_killed": len(sweeper.killed), "left_behind": len(left)}))
+
+
+def measure(args: argparse.Namespace, parent: Path, sweeper: leftovers.Sweeper) -> dict[str, Any]:
+    """Every run, the tables and the verdicts; the JSON report (main prints it)."""
     with contextlib.ExitStack() as stack:
         work = Path(tempfile.mkdtemp(prefix="planaria-bench-ckpt-", dir=parent))
         stack.callback(shutil.rmtree, work, ignore_errors=True)
-        bench = Bench(args, work, stack)
+        bench = Bench(args, work, stack, sweeper)
         print(
             f"flash checkpoint: {bench.bytes / (1 << 20):.1f} MiB in {len(bench.tensors)} float32 "
             f"tensors (model + optimizer moments), {args.runs} interleaved runs; torch "
@@ -579,18 +600,14 @@ def main() -> None:
         for key, value in ratios.items():
             verdict = "PASS" if passed[key] else "FAIL"
             print(f"  {key:<25} {value:>7.3f}  <= {TARGETS[key]:<6g} {verdict}")
-        print(
-            json.dumps(
-                {
-                    **{k: round(v, 4) for k, v in ratios.items()},
-                    "pass": passed,
-                    "medians_s": {k: round(v, 5) for k, v in medians.items()},
-                    "bytes": bench.bytes,
-                    "tensors": len(bench.tensors),
-                    "runs": args.runs,
-                }
-            )
-        )
+        return {
+            **{k: round(v, 4) for k, v in ratios.items()},
+            "pass": passed,
+            "medians_s": {k: round(v, 5) for k, v in medians.items()},
+            "bytes": bench.bytes,
+            "tensors": len(bench.tensors),
+            "runs": args.runs,
+        }
 
 
 if __name__ == "__main__":

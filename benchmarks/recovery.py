@@ -15,6 +15,12 @@ memory; torchrun's restarted workers restore from the last persisted step).
 It also times the cost of that checkpoint: the median step time of one training process saving
 its state to memory every step, against the same run without a checkpoint.
 
+Nothing is left running: every trial (planaria's and torchrun's, and each step-time run) has
+a marker of its own in its environment (:mod:`planaria.leftovers`), which its workers keep even
+when they leave the launcher's session or outlive it; after the trial whatever still carries
+it is killed and named in a warning, and at the end the benchmark looks once more for all of
+them (``left_behind`` in the JSON; ``survivors_killed`` counts what trials left).
+
 Run:  python benchmarks/recovery.py [--trials 3] [--steps 60] [--kill-at 30]
 The last line printed is one JSON object with the figures.
 
@@ -37,8 +43,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from planaria import leftovers
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
@@ -123,24 +132,28 @@ def run_group(
     command: list[str], cwd: Path, env: dict[str, str], timeout: float
 ) -> subprocess.CompletedProcess[str]:
     """Run ``command`` in a session of its own; past ``timeout`` kill the whole session, so
-    that the workers of a hung launcher (torchrun's are not tied to it) do not outlive it."""
-    proc = subprocess.Popen(
-        command,
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise subprocess.TimeoutExpired(command, timeout, out, err) from exc
-    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+    that the workers of a hung launcher (torchrun's are not tied to it) do not outlive it.
+
+    Its output goes to files, not pipes: a worker that left the session (or that a killed
+    launcher left to init) would hold a pipe open, and reading it to the end would wait for
+    that worker. What left the session is the trial's sweep's (:class:`leftovers.Sweeper`)."""
+    out_path, err_path = cwd / "launcher.out", cwd / "launcher.err"
+
+    def output() -> tuple[str, str]:
+        return out_path.read_text(errors="replace"), err_path.read_text(errors="replace")
+
+    with out_path.open("w") as out, err_path.open("w") as err:
+        proc = subprocess.Popen(
+            command, cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=True
+        )
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise subprocess.TimeoutExpired(command, timeout, *output()) from exc
+    return subprocess.CompletedProcess(command, proc.returncode, *output())
 
 
 def run_torchrun(args: argparse.Namespace, work: Path, workaround: bool) -> Trial:
@@ -211,7 +224,11 @@ def step_time(args: argparse.Namespace, work: Path, checkpoint: bool) -> float:
     ]
     if not checkpoint:
         command.append("--no-ckpt")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PLANARIA_", "RANK"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k == leftovers.VARIABLE or not k.startswith(("PLANARIA_", "RANK"))
+    }
     proc = subprocess.run(
         command, cwd=work, env=env, capture_output=True, text=True, timeout=args.timeout
     )
@@ -222,15 +239,17 @@ def step_time(args: argparse.Namespace, work: Path, checkpoint: bool) -> float:
     return statistics.median(deltas)
 
 
-def overhead(args: argparse.Namespace) -> dict[str, float]:
+def overhead(args: argparse.Namespace, sweeper: leftovers.Sweeper) -> dict[str, float]:
     """Step time with a flash checkpoint to memory every step against no checkpoint."""
     with_ckpt: list[float] = []
     without: list[float] = []
     for trial in range(args.overhead_trials):
         for checkpoint, into in ((False, without), (True, with_ckpt)):  # interleaved
             work = Path(tempfile.mkdtemp(prefix="planaria-bench-"))
+            name = f"overhead trial {trial + 1} ({'with' if checkpoint else 'no'} checkpoint)"
             try:
-                into.append(step_time(args, work, checkpoint))
+                with sweeper.trial(name):
+                    into.append(step_time(args, work, checkpoint))
             finally:
                 shutil.rmtree(work, ignore_errors=True)
         print(
@@ -273,14 +292,20 @@ def main() -> None:
         "--procs-per-node", type=int, default=1, help="workers per node (--scheduler slurm)"
     )
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still sweeps the trial
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     if args.scheduler == "slurm":
         import recovery_slurm  # here: only this variant needs Slurm
 
         recovery_slurm.main(args)
         return
+    with leftovers.Sweeper() as sweeper:  # checks at the end even if the benchmark fails
+        compare(args, sweeper)
 
-    runners = {
+
+def compare(args: argparse.Namespace, sweeper: leftovers.Sweeper) -> None:
+    """The trials, the overhead and the report."""
+    runners: dict[str, Callable[[Path], Trial]] = {
         "planaria run": lambda work: run_planaria(args, work),
         "torchrun (defaults)": lambda work: run_torchrun(args, work, workaround=False),
         "torchrun (workaround)": lambda work: run_torchrun(args, work, workaround=True),
@@ -290,7 +315,8 @@ def main() -> None:
         for name, runner in runners.items():  # interleaved: machine drift hits all alike
             work = Path(tempfile.mkdtemp(prefix="planaria-bench-"))
             try:
-                result = runner(work)
+                with sweeper.trial(f"trial {trial + 1}: {name}"):
+                    result = runner(work)
             finally:
                 shutil.rmtree(work, ignore_errors=True)
             trials[name].append(result)
@@ -303,7 +329,8 @@ def main() -> None:
     planaria = summarise("planaria run", trials["planaria run"])
     default = summarise("torchrun (defaults)", trials["torchrun (defaults)"])
     workaround = summarise("torchrun (workaround)", trials["torchrun (workaround)"])
-    cost = overhead(args)
+    cost = overhead(args, sweeper)
+    left = sweeper.final()
     ratio = (
         None
         if planaria["mttr"] is None or workaround["mttr"] is None
@@ -321,6 +348,8 @@ def main() -> None:
                 "torchrun_default_mttr_s": default["mttr"],
                 "trials": args.trials,
                 **cost,
+                "survivors_killed": len(sweeper.killed),
+                "left_behind": len(left),
             }
         )
     )

@@ -16,6 +16,12 @@ cancelled after it, so a hung baseline leaves no step behind.
   dies does to them.
 
 MTTR: from the fault to the first step rank 0 logs after it resumed.
+
+Every run has a marker of its own (:mod:`planaria.leftovers`), as in recovery.py: srun passes
+the environment into the steps (``--export=ALL``, also given explicitly for the baseline, so
+that a site's ``SLURM_EXPORT_ENV`` cannot drop it), so the agents, torchrun and the workers that
+slurmstepd starts carry it; the cluster's daemons are started without any. After each run
+whatever carries it is killed and named, and the end checks all of them (``left_behind``).
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import recovery as common
+
+from planaria import leftovers
 
 CLUSTER = common.ROOT / "plugins" / "slurm" / "tests" / "cluster.sh"
 NODES = 4
@@ -72,7 +80,13 @@ def cluster() -> Iterator[None]:
         if mine:
             print(f"starting a {NODES}-node Slurm cluster in {where}", flush=True)
         command = [str(CLUSTER), "start", str(NODES)] if mine else [str(CLUSTER), "env"]
-        out = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=leftovers.unmarked(os.environ),  # the daemons outlive every run
+        )
         if out.returncode:
             raise RuntimeError(f"cluster.sh {command[1]} failed:\n{out.stderr}")
         for line in out.stdout.splitlines():
@@ -82,7 +96,13 @@ def cluster() -> Iterator[None]:
         yield
     finally:
         if mine:
-            subprocess.run([str(CLUSTER), "stop"], capture_output=True, text=True, timeout=120)
+            subprocess.run(
+                [str(CLUSTER), "stop"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env=leftovers.unmarked(os.environ),
+            )
 
 
 def job_state(job_id: str) -> str:
@@ -300,7 +320,7 @@ def run_torchrun(
     with allocation(work) as job_id:
         endpoint = f"{_first_node_addr(job_id)}:{_free_port()}"
         command = [
-            "srun", f"--jobid={job_id}", "-N2", "--ntasks-per-node=1", "--overlap",
+            "srun", f"--jobid={job_id}", "-N2", "--ntasks-per-node=1", "--overlap", "--export=ALL",
             str(Path(sys.executable).parent / "torchrun"),
             "--nnodes=2", f"--nproc-per-node={args.procs_per_node}", "--max-restarts", "3",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", f"bench-{job_id}",
@@ -346,14 +366,25 @@ def main(args: argparse.Namespace) -> None:
         "node: planaria run": lambda w: run_planaria(args, w, node_loss=True),
         "node: torchrun (workaround)": lambda w: run_torchrun(args, w, True, node_loss=True),
     }
-    trials: dict[str, list[common.Trial]] = {name: [] for name in runners}
     signal.signal(signal.SIGTERM, _interrupted)  # so that the cluster is stopped all the same
+    with leftovers.Sweeper() as sweeper:  # checks at the end even if the benchmark fails
+        compare(args, runners, sweeper)
+
+
+def compare(
+    args: argparse.Namespace,
+    runners: dict[str, Callable[[Path], common.Trial]],
+    sweeper: leftovers.Sweeper,
+) -> None:
+    """The trials on the cluster and the report."""
+    trials: dict[str, list[common.Trial]] = {name: [] for name in runners}
     with cluster():
         for trial in range(args.trials):
             for name, runner in runners.items():  # interleaved, as for the local scheduler
                 work = Path(tempfile.mkdtemp(prefix="planaria-bench-"))
                 try:
-                    result = runner(work)
+                    with sweeper.trial(f"trial {trial + 1}: {name}"):
+                        result = runner(work)
                 finally:
                     shutil.rmtree(work, ignore_errors=True)
                 trials[name].append(result)
@@ -392,4 +423,7 @@ def main(args: argparse.Namespace) -> None:
     result["worker_kill_torchrun_default_mttr_s"] = figures["kill: torchrun (defaults)"]["mttr"]
     result["worker_kill_torchrun_default_failed"] = figures["kill: torchrun (defaults)"]["failed"]
     result["node_loss_torchrun_fault"] = TORCHRUN_NODE_LOSS
+    left = sweeper.final()
+    result["survivors_killed"] = len(sweeper.killed)
+    result["left_behind"] = len(left)
     print(json.dumps(result))

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from planaria import leftovers
+from planaria.testing import assert_nothing_left
+
 FIXTURES = Path(__file__).parent / "fixtures"
 PLUGIN_FIXTURES = FIXTURES / "plugins"
 SHM = Path("/dev/shm")
@@ -38,6 +41,23 @@ def no_shm_leak() -> Iterator[None]:
     while (left := _shm_files() - before) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, f"left in /dev/shm: {sorted(left)}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def trace_marker() -> Iterator[str]:
+    """This session's marker in os.environ: every process a test starts inherits it."""
+    with leftovers.marking() as marker:
+        yield marker
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_running(trace_marker: str, no_shm_leak: None) -> Iterator[None]:
+    """No test leaves a process running: whatever still carries the session's marker after it
+    (allowing processes on their way out a few seconds) is killed and fails the test. It asks
+    for ``no_shm_leak`` so that its own check comes first: a leftover holding shared memory is
+    named as the process it is."""
+    yield
+    assert_nothing_left(trace_marker)
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ from planaria.testing.fault_pattern import (
     assert_unclassified,
 )
 from planaria.testing.health import CheckCase, HealthCheckConformance
+from planaria.testing.leftovers import assert_nothing_left
 from planaria.testing.node_benchmark import NodeBenchmarkConformance
 from planaria.testing.scheduler import Cluster, SchedulerConformance
 from planaria.testing.storage import StorageConformance, StorageFactorySpec, build_storage
@@ -22,6 +23,7 @@ __all__ = [
     "StorageConformance",
     "StorageFactorySpec",
     "assert_classifies",
+    "assert_nothing_left",
     "assert_unclassified",
     "build_storage",
 ]

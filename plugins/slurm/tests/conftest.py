@@ -1,6 +1,11 @@
 """A real Slurm cluster for the whole session (``cluster.sh``), an allocation on it that the
 scheduler's tests run inside, and a check after every test that the job left nothing behind:
-no step, no planaria process, no shared memory."""
+no step, no process, no shared memory.
+
+Processes are found by the session's marker (:mod:`planaria.leftovers`): srun passes the
+environment on (``--export=ALL``), so agents and workers that slurmstepd starts carry it. What
+the session keeps on purpose (slurmctld, slurmd, munged, the allocation's ``sleep``) is started
+without it."""
 
 from __future__ import annotations
 
@@ -13,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from planaria import leftovers
+from planaria.testing import assert_nothing_left
+
 HERE = Path(__file__).resolve().parent
 CLUSTER = HERE / "cluster.sh"
 NODES = 4
@@ -22,15 +30,41 @@ def slurm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(args, capture_output=True, text=True, timeout=30, check=check)
 
 
+def unmarked() -> dict[str, str]:
+    """The environment for what outlives a test on purpose: without the session's marker."""
+    return leftovers.unmarked(os.environ)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def trace_marker() -> Iterator[str]:
+    """This session's marker in os.environ: every process a test starts inherits it."""
+    with leftovers.marking() as marker:
+        yield marker
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_running(trace_marker: str) -> Iterator[None]:
+    """No test leaves a process running: whatever still carries the session's marker after it
+    (and after :func:`leaves_nothing` waited for the steps to end) is killed and fails it."""
+    yield
+    assert_nothing_left(trace_marker)
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[dict[str, str]]:
     """Start a 4-node cluster once; its environment (SLURM_CONF) goes into os.environ."""
     if shutil.which("slurmctld") is None or shutil.which("srun") is None:
-        installed = subprocess.run([str(CLUSTER), "install"], capture_output=True, text=True)
+        installed = subprocess.run(
+            [str(CLUSTER), "install"], capture_output=True, text=True, env=unmarked()
+        )
         if installed.returncode != 0:
             pytest.skip(f"Slurm is not installed and cannot be: {installed.stderr.strip()}")
     started = subprocess.run(
-        [str(CLUSTER), "start", str(NODES)], capture_output=True, text=True, timeout=120
+        [str(CLUSTER), "start", str(NODES)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=unmarked(),  # the daemons outlive every test
     )
     if started.returncode != 0:
         pytest.fail(f"cluster.sh start failed:\n{started.stderr}")
@@ -44,7 +78,9 @@ def slurm_cluster() -> Iterator[dict[str, str]]:
     try:
         yield env
     finally:
-        subprocess.run([str(CLUSTER), "stop"], capture_output=True, text=True, timeout=120)
+        subprocess.run(
+            [str(CLUSTER), "stop"], capture_output=True, text=True, timeout=120, env=unmarked()
+        )
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -70,17 +106,24 @@ def allocation(
     """A job holding every node (shared, surviving a down node) whose id tests pass as
     scheduler.options.job_id; cancelled at the end."""
     where = tmp_path_factory.mktemp("allocation")
-    job_id = slurm(
-        "sbatch",
-        "--parsable",
-        f"-N{NODES}",
-        "--oversubscribe",
-        "--no-kill",
-        f"--chdir={where}",
-        "--output=/dev/null",
-        "--job-name=planaria-tests",
-        "--wrap",
-        "exec sleep infinity",
+    job_id = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            f"-N{NODES}",
+            "--oversubscribe",
+            "--no-kill",
+            f"--chdir={where}",
+            "--output=/dev/null",
+            "--job-name=planaria-tests",
+            "--wrap",
+            "exec sleep infinity",  # it lives as long as the session: sbatch without the marker
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+        env=unmarked(),
     ).stdout.strip()
     try:
         wait_running(job_id)
@@ -94,36 +137,10 @@ def job_steps(job_id: str) -> list[str]:
     return [line for line in out.splitlines() if line and ".batch" not in line]
 
 
-def planaria_processes() -> list[str]:
-    """Live processes of this test session's cluster that run planaria: they carry its
-    SLURM_CONF (the tests set it; srun and sbatch pass it on). Other users of this machine
-    and their planaria runs are not looked at."""
-    conf = os.environ.get("SLURM_CONF", "")
-    if not conf:
-        return []
-    mark = f"SLURM_CONF={conf}".encode()
-    found = []
-    me = os.getpid()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == me:
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            environ = (entry / "environ").read_bytes().split(b"\0")
-            status = (entry / "status").read_text()
-        except OSError:
-            continue
-        if "State:\tZ" in status or mark not in environ:
-            continue
-        text = b" ".join(argv).decode(errors="replace")
-        if any(what in text for what in ("-m planaria", "planaria_slurm", "bin/planaria ")):
-            found.append(f"{entry.name}: {text[:200]}")
-    return found
-
-
 @pytest.fixture(autouse=True)
-def leaves_nothing(request: pytest.FixtureRequest) -> Iterator[None]:
-    """After a test that used the cluster: no step of the allocation, no planaria process."""
+def leaves_nothing(request: pytest.FixtureRequest, nothing_left_running: None) -> Iterator[None]:
+    """After a test that used the cluster: no step of the allocation, no shared memory. It
+    asks for ``nothing_left_running`` so that the steps get their time to end first."""
     shm_before = set(Path("/dev/shm").glob("planaria-*"))
     yield
     if "slurm_cluster" not in request.fixturenames and "allocation" not in request.fixturenames:
@@ -132,11 +149,9 @@ def leaves_nothing(request: pytest.FixtureRequest) -> Iterator[None]:
     deadline = time.monotonic() + 20
     while True:
         steps = job_steps(job_id) if job_id else []
-        procs = planaria_processes()
         shm = set(Path("/dev/shm").glob("planaria-*")) - shm_before
-        if not (steps or procs or shm) or time.monotonic() > deadline:
+        if not (steps or shm) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     assert not steps, f"steps of the job left running: {steps}"
-    assert not procs, f"planaria processes left running: {procs}"
     assert not shm, f"shared memory left: {sorted(map(str, shm))}"
