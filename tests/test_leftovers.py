@@ -181,11 +181,13 @@ def test_the_sweeper_reports_what_a_trial_left_and_checks_at_the_end(pids: list[
 
 def test_a_sweeper_left_by_an_error_still_makes_its_last_check() -> None:
     said: list[str] = []
-    with pytest.raises(RuntimeError, match="the benchmark failed"):
-        with leftovers.Sweeper(grace=0.1, report=said.append) as sweeper:
-            with sweeper.trial("a trial"):
-                subprocess.run(["true"], check=True)
-            raise RuntimeError("the benchmark failed")
+    with (
+        pytest.raises(RuntimeError, match="the benchmark failed"),
+        leftovers.Sweeper(grace=0.1, report=said.append) as sweeper,
+    ):
+        with sweeper.trial("a trial"):
+            subprocess.run(["true"], check=True)
+        raise RuntimeError("the benchmark failed")
     assert said == [
         "left behind: nothing (no process of the 1 trials is alive; 0 killed after their trial)"
     ]
