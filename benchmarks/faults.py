@@ -16,9 +16,10 @@ Faults come from chaos rules (``planaria run``'s fault injection) where one fits
 from this script while the job runs (``driver`` functions in :mod:`faults_trial`).
 
 Run:  python benchmarks/faults.py [--only NAME[,NAME]] [--list] [--timeout S]
-Root is needed for the disk-full row (it mounts a small tmpfs). The last line printed is one
-JSON object: ``{"faults": [{"fault", "survived", "bitwise_equal", "steps_lost",
-"recovery_s"}, ...], "all_passed": bool}``. Exit code 0 iff every row that ran passed.
+Root is needed for the disk-full row (it mounts a small tmpfs) and the partition row (network
+namespaces). The last line printed is one JSON object: ``{"faults": [{"fault", "survived",
+"bitwise_equal", "steps_lost", "recovery_s"}, ...], "all_passed": bool}``. Exit code 0 iff
+every row that ran passed.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,8 @@ class Suite:
         work.mkdir()
         return work
 
-    def trial(self, work: Path, **sections: Any) -> Trial:
+    def trial(self, work: Path, prefix: Sequence[str] = (), **sections: Any) -> Trial:
+        """``prefix``: what ``planaria run`` runs through (``ip netns exec NS``)."""
         command = [sys.executable, str(EXAMPLE), "--steps", str(STEPS)]
         command += ["--ckpt-every", str(PERSIST_EVERY), "--out", str(work / "final.pt")]
         config: dict[str, Any] = {
@@ -128,19 +130,21 @@ class Suite:
             config[name] = merged
         path = work / "job.yaml"
         path.write_text(json.dumps(config, indent=1))  # JSON is YAML
-        return Trial(work, [*self.planaria, "run", str(path)], self.env, self.timeout)
+        argv = [*prefix, *self.planaria, "run", str(path)]
+        return Trial(work, argv, self.env, self.timeout)
 
     def run(
         self,
         name: str,
         driver: Callable[[Trial], str] | None = None,
         work: Path | None = None,
+        prefix: Sequence[str] = (),
         **sections: Any,
     ) -> Outcome:
         if name != "reference":
             self.ready()
         print(f"  running {name} ...", file=sys.stderr, flush=True)
-        return self.trial(work or self.workdir(name), **sections).run(driver)
+        return self.trial(work or self.workdir(name), prefix, **sections).run(driver)
 
     def ready(self) -> None:
         """Run the fault-free reference once, before the first trial that needs it."""
@@ -554,12 +558,113 @@ def health_check(suite: Suite) -> Row:
     )
 
 
+PARTITION_HEARTBEAT = ("0.5s", "5s")
+"""The partition row's heartbeat interval and timeout: short, so that a cut outlasts the
+timeout soon; its nodes start workers without a warm interpreter (``job.preload: []``), whose
+start would keep an agent silent for longer than that on a loaded machine."""
+SPARES = ("n0", "n1", "n2")
+"""The nodes' namespaces: node-i runs in ``SPARES[i % 3]``, so the replacement (node-2) runs in
+a namespace of its own."""
+
+
 def partition(suite: Suite) -> Row:
-    if importlib.util.find_spec("planaria.testing.netns") is None:
-        return unavailable(
-            "partition", "planaria.testing.netns (master and agents in network namespaces)"
+    from planaria.testing.netns import Network
+    from planaria.testing.netns import unavailable as netns_unavailable
+
+    if os.geteuid() != 0:
+        return Row("partition", False, False, 0, 0.0, "needs root (network namespaces)")
+    why = netns_unavailable()
+    if why is not None:
+        return unavailable("partition", why)
+    suite.ready()
+    seen: dict[str, Any] = {}
+
+    with Network(["master", *SPARES]) as net:
+
+        def drive(trial: Trial) -> str:
+            trial.wait_for(f"step {FAULT_AT}", lambda: True if trial.step() >= FAULT_AT else None)
+            node = trial.node_of_rank(1)
+            member = _namespace(node)
+            old = net.pids(member)
+            net.cut(member)  # silent: every frame to or from it vanishes
+            cut_at = time.time()
+            seen["node"] = node
+            trial.event(f"{node} declared lost", lambda e: _lost(e, node))
+            new = trial.event(
+                f"{node} replaced", lambda e: e["kind"] == "node_replaced" and e["node"] == node
+            )["data"]["replacement"]
+            # Heal once the replacement holds the cut-off node's rank in a new round: two
+            # copies of the rank now exist, and the old one must be the one that stops. (Not
+            # later: the job may end before the old node's first packet after the heal, which
+            # waits out its TCP backoff, gets through.)
+            trial.event(
+                f"a round with {new}",
+                lambda e: e["kind"] == "rendezvous_completed" and new in e["data"]["ranks"],
+            )
+            seen["replacement_ran"] = bool(net.pids(_namespace(new)))
+            seen["old_survived_cut"] = bool(old) and set(old) <= set(net.pids(member))
+            net.heal(member)
+            healed_at = time.time()
+            seen["cut_s"] = round(healed_at - cut_at, 1)
+            trial.wait_for(
+                f"{node}'s processes to end once healed",
+                lambda: True if not set(old) & set(net.pids(member)) else None,
+            )
+            seen["stopped_s"] = round(time.time() - healed_at, 1)
+            return f"{node} cut off at step {FAULT_AT} for {seen['cut_s']} s"
+
+        outcome = suite.run(
+            "partition",
+            drive,
+            prefix=net.exec("master", []),
+            job={"preload": []},
+            scheduler={
+                "backend": "local",
+                # keep_replaced: like a cluster's scheduler, this one cannot stop a cut-off node.
+                "options": {"netns": [net.netns(n) for n in SPARES], "keep_replaced": True},
+            },
+            master={
+                "host": net.address("master"),
+                "heartbeat_interval": PARTITION_HEARTBEAT[0],
+                "heartbeat_timeout": PARTITION_HEARTBEAT[1],
+            },
         )
-    return unavailable("partition", "this row is not wired to planaria.testing.netns yet")
+        stray = net.close()
+    if stray:
+        outcome.left_behind.append(f"pids {stray} in the namespaces")
+    node = seen.get("node", "-")
+    replaced = [e for e in outcome.of("node_replaced") if e["node"] == node]
+    new = replaced[0]["data"]["replacement"] if replaced else "-"
+    fenced = [e for e in outcome.of("node_fenced") if e["node"] == node]
+    return suite.row(
+        "partition",
+        outcome,
+        [
+            ([e for e in outcome.events if _lost(e, node)], "the cut-off node was not lost"),
+            (replaced, "the lost node was not replaced"),
+            (seen.get("replacement_ran"), "no replacement ran in the spare namespace"),
+            (seen.get("old_survived_cut"), "the cut-off node did not live through the cut"),
+            (restored(outcome).startswith("storage"), "the new round did not restore from storage"),
+            (fenced, "the healed node was not fenced (node_fenced)"),
+            ("stopped_s" in seen, "the fenced node's processes did not end while the job ran"),
+            (not outcome.of("node_replacement_failed"), "a node replacement failed"),
+            (outcome.of("recovered"), "no recovery"),
+        ],
+        f"{outcome.driver_note} (silent drop; heartbeat timeout {PARTITION_HEARTBEAT[1]}): "
+        f"lost, replaced by {new} in the spare namespace, restored from {restored(outcome)}; "
+        f"once healed it was fenced and its processes were gone after "
+        f"{seen.get('stopped_s', '-')} s",
+    )
+
+
+def _namespace(node: str) -> str:
+    """The participant of the network that ``node`` (``node-i``) runs in."""
+    return SPARES[int(node.rsplit("-", 1)[1]) % len(SPARES)]
+
+
+def _lost(event: Event, node: str) -> bool:
+    kind, where, data = event["kind"], event["node"], event["data"]
+    return bool(kind == "fault_detected" and where == node and data.get("fault") == "node_lost")
 
 
 FAULTS: dict[str, tuple[Callable[[Suite], Row], str]] = {
