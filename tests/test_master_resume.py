@@ -17,8 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from tests.test_run import EXAMPLE, job, mark, run, start  # noqa: F401  (mark: a fixture)
+from test_run import EXAMPLE, job, mark, run, start  # noqa: F401  (mark is a fixture)
 
 torch = pytest.importorskip("torch")
 
