@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 import yaml
+from test_run import EXAMPLE, MARK, marked_processes
 
 from planaria.testing.netns import Network, unavailable
 
@@ -37,9 +38,6 @@ pytest_plugins = ["netns"]
 # Each job: ~20 s on 2 idle CPU cores (torch starts in 2-3 processes), the long cut ~30 s.
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "examples" / "train_gpt.py"
-MARK = "PLANARIA_TEST_MARK"
 STEPS = 40
 CUT_AT = 5
 HEARTBEAT_INTERVAL = 0.5
@@ -55,21 +53,6 @@ COMMAND = [
     "--vocab", "64", "--d-model", "32", "--heads", "2", "--layers", "1", "--seq", "16",
     "--batch", "4", "--out", "final.pt",
 ]  # fmt: skip
-
-
-def marked_processes(mark: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-            status = (entry / "status").read_text()
-        except OSError:
-            continue
-        if f"{MARK}={mark}".encode() in environ.split(b"\0") and "State:\tZ" not in status:
-            found.append(int(entry.name))
-    return found
 
 
 @pytest.fixture
