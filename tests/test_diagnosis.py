@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from planaria import monitor
@@ -23,7 +26,12 @@ from planaria.diagnosis.gate import bind_checks, check_node
 from planaria.diagnosis.hang import HangWatch
 from planaria.diagnosis.messages import CheckSpec, DiagnosisSpec
 from planaria.diagnosis.stacks import dump_stack, find_py_spy, truncate
-from planaria.diagnosis.stragglers import RankTimes, StepTimes, StragglerDetector
+from planaria.diagnosis.stragglers import (
+    RankTimes,
+    StepTimes,
+    StragglerDetector,
+    median_without,
+)
 from planaria.errors import ConfigError
 from planaria.fault_pattern.api import FaultClass, FaultPattern
 from planaria.master.diagnosis import last_words
@@ -324,3 +332,25 @@ def test_a_check_this_node_cannot_run_is_a_failure_not_a_crash(tmp_path):
     (bad,) = check_node(DiagnosisSpec(checks=[huge]), "n0", tmp_path)
     assert (bad.check, bad.status) == ("disk", "failed") and "free" in bad.detail
     assert check_node(DiagnosisSpec(), "n0", tmp_path) == []
+
+
+@given(
+    st.lists(st.floats(min_value=0, max_value=1e6, allow_nan=False), min_size=2, max_size=60),
+    st.data(),
+)
+def test_median_without_one_is_the_median_of_the_others(values, data):
+    ordered = sorted(values)
+    place = data.draw(st.integers(min_value=0, max_value=len(ordered) - 1))
+    others = ordered[:place] + ordered[place + 1 :]
+    assert median_without(ordered, place) == pytest.approx(statistics.median(others))
+
+
+def test_the_straggler_check_is_the_same_for_many_ranks():
+    """One slow rank among 2,001 is found, and only it (the sorted check against the plain
+    definition, a median of the others per rank)."""
+    times = {r: RankTimes(f"n{r}", 0, None, 0.1 + (r % 7) * 0.001) for r in range(2001)}
+    times[1234] = RankTimes("n1234", 0, None, 0.5)
+    (slow,) = StragglerDetector(factor=2.0).check(times)
+    assert (slow.rank, slow.metric) == (1234, "busy")
+    plain = statistics.median(t.busy_s for r, t in times.items() if r != 1234)
+    assert slow.others_s == pytest.approx(plain)

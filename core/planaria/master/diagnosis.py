@@ -62,6 +62,8 @@ class Diagnosis:
         self.stragglers: list[Straggler] = []
         self._times: dict[int, RankTimes] = {}
         self._times_round = -1
+        self._times_changed = False
+        self._checked_at = -float("inf")
 
     # -- worker faults ----------------------------------------------------------------------
 
@@ -221,8 +223,18 @@ class Diagnosis:
             if p.step_s is not None or p.busy_s is not None:
                 rank = info.rank_offset + p.local_rank
                 self._times[rank] = RankTimes(node.node_id, p.local_rank, p.step_s, p.busy_s)
-        if len(self._times) < info.world_size:
+        self._times_changed = True
+
+    def check_stragglers(self, now: float, every: float) -> None:
+        """Compare the ranks' step times, at most once per ``every`` seconds (the heartbeat
+        interval) and only when a heartbeat brought new ones: per heartbeat, a job of n nodes
+        would pay n times the O(n log n) comparison."""
+        if not self._times_changed or now - self._checked_at < every:
             return
+        world = next(iter(self.job.world.values()), None)
+        if world is None or len(self._times) < world.world_size:
+            return
+        self._times_changed, self._checked_at = False, now
         for straggler in self.detector.check(self._times):
             self._flag(straggler)
 

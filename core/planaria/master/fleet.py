@@ -10,8 +10,8 @@ the job writes to its timeline after it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -27,6 +27,9 @@ from planaria.scheduler.api import LaunchSpec, NodeEvent, NodeHandle, Scheduler
 log = get_logger("master")
 
 T = TypeVar("T")
+
+SCAN_EVERY = 0.25
+"""Seconds between two looks for silent nodes."""
 
 
 class Fleet:
@@ -55,10 +58,18 @@ class Fleet:
         self._isolated_since: float | None = None
         self._excused: set[str] = set()
         """Nodes silent while no node was heard: lost only past the grace."""
+        self._by_phase: Counter[NodePhase] = Counter()
+        self._scanned = -float("inf")
 
     def add(self, node: Node) -> Node:
         """Count ``node`` in; the journal hears of its changes from now on."""
+        old = self.nodes.get(node.node_id)
+        if old is not None:
+            old.on_phase = None
+            self._moved(old.phase, None)
         self.nodes[node.node_id] = node
+        node.on_phase = self._moved
+        self._moved(None, node.phase)
         if self.journal is not None:
             node.on_change = self.journal.node_changed
             self.journal.node_changed(node.node_id)
@@ -128,9 +139,23 @@ class Fleet:
         """Replacements asked of the scheduler that have not come back yet."""
         return self._replacing
 
+    def _moved(self, old: NodePhase | None, new: NodePhase | None) -> None:
+        """A node changed phase: the counts by phase follow, so that no join, heartbeat or
+        tick has to count the nodes of a large job one by one."""
+        if old is not None:
+            self._by_phase[old] -= 1
+        if new is not None:
+            self._by_phase[new] += 1
+
+    def count(self, phase: NodePhase) -> int:
+        """Nodes in ``phase`` now."""
+        return self._by_phase[phase]
+
     def alive(self, but: str | None = None) -> int:
         """Nodes in the job (not gone), ``but`` one not counted."""
-        return sum(1 for n in self.nodes.values() if not n.phase.gone and n.node_id != but)
+        gone = sum(self._by_phase[p] for p in NodePhase if p.gone)
+        node = self.nodes.get(but) if but is not None else None
+        return len(self.nodes) - gone - (1 if node is not None and not node.phase.gone else 0)
 
     def settled(self) -> bool:
         """Every node is out of the job, or was never started (a launch the job's end cut)."""
@@ -197,15 +222,21 @@ class Fleet:
         """Hold a node's long poll until there is an action for it, at most ``hold`` seconds."""
         if node.action is None and not stopping:
             node.wake.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(node.wake.wait(), timeout=hold)
+            await node.wake.wait(hold)
         action, node.action = node.action, None
         return action
 
     def silent(self, now: float, but: Callable[[str], bool]) -> list[Node]:
         """Registered nodes in the job not heard from for the heartbeat timeout (``now`` on the
         monotonic clock), except those ``but`` excuses. A node still pending is the scheduler's
-        business; the rendezvous timeout covers one that never comes."""
+        business; the rendezvous timeout covers one that never comes.
+
+        The nodes are looked at a few times a second (:data:`SCAN_EVERY`), not at every
+        tick: a heartbeat timeout is seconds long, and a job of 10,000 nodes would otherwise
+        spend its master's time counting them."""
+        if now - self._scanned < SCAN_EVERY:
+            return []
+        self._scanned = now
         watched = [
             node
             for node in list(self.nodes.values())

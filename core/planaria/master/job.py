@@ -103,6 +103,7 @@ class Master:
         self.preflight = Preflight(self, settings.diagnosis.preflight)
         self.fleet.grace = self.spec.master_grace
         self.journal: Journal | None = None
+        self._journal_write: asyncio.Future[None] | None = None
         self._told_fenced: set[str] = set()
         self.fence = Fence(self.spec.checkpoint)
 
@@ -139,6 +140,29 @@ class Master:
         if self.journal is None:
             return
         self.journal.write(self.snapshot(), self.nodes)
+
+    async def journal_written(self) -> None:
+        """Return once what changed so far is in the journal. The requests answered in one
+        turn of the loop share one write, so thousands of nodes joining at once cost a few
+        transactions (and fsyncs), not one each."""
+        if self.journal is None:
+            return
+        if self._journal_write is None:
+            loop = asyncio.get_running_loop()
+            self._journal_write = loop.create_future()
+            loop.call_soon(self._write_journal_now)
+        # Shielded: a request given up (its client gone) must not cancel the others' write.
+        await asyncio.shield(self._journal_write)
+
+    def _write_journal_now(self) -> None:
+        done, self._journal_write = self._journal_write, None
+        assert done is not None
+        try:
+            self.write_journal()
+        except Exception as exc:
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
 
     def resume(self, journalled: Journalled) -> None:
         """Take the job over where the master before this one left it. The nodes it had
@@ -339,6 +363,8 @@ class Master:
             await asyncio.wait_for(settled.wait(), timeout=wait)
         except asyncio.TimeoutError:
             return JoinReply(state="wait", reason=f"round {round_now} still forming")
+        finally:  # its agent held the request open all along: its silence starts now
+            node.last_seen = time.monotonic()
         if self.state.terminal:
             return JoinReply(state="exit", reason=self.reason)
         if self.rounds.round == round_now and request.node_id in self.rounds.world:
@@ -367,6 +393,7 @@ class Master:
         if not beat.wait:  # a progress update: the node's long poll collects actions
             return Action(kind="none", round=self.rounds.round)
         action = await self.fleet.next_action(node, hold, stopping=self.state.terminal)
+        node.last_seen = time.monotonic()  # the agent held the long poll open until now
         if action is None and self.state.terminal:
             action = Action(kind="exit", reason=self.reason)
         return action or Action(kind="none", round=self.rounds.round)
@@ -436,8 +463,7 @@ class Master:
         if self.state is not JobState.RENDEZVOUS or self.rounds.closed:
             return
         now = time.time()
-        expected = {n.node_id for n in self.nodes.values() if not n.phase.gone}
-        if self.rounds.ready(expected, now):
+        if self.rounds.ready(self.fleet.alive(), now):  # every joiner is alive (leave())
             world = self.rounds.close()
             self.state = JobState.RUNNING
             self._round_settled.set()
@@ -479,7 +505,7 @@ class Master:
     def _maybe_grow(self) -> None:
         """Nodes standing by can enlarge a world below ``max``: re-form it with them (a
         membership change, as torchrun does; not a fault, so not charged to the budget)."""
-        if self.state is not JobState.RUNNING:
+        if self.state is not JobState.RUNNING or not self.fleet.count(NodePhase.STANDBY):
             return
         standby = [n for n in self.nodes.values() if n.phase is NodePhase.STANDBY]
         size = len(self.rounds.world)
@@ -571,6 +597,8 @@ class Master:
             self.recovery.node_lost(node, f"no heartbeat for {self.spec.heartbeat_timeout:g}s")
         if self.state is JobState.PREFLIGHT:
             self.preflight.tick(now)
+        if self.state is JobState.RUNNING:
+            self.diagnosis.check_stragglers(monotonic, self.spec.heartbeat_interval)
         self._maybe_close()
         self._maybe_grow()
 

@@ -18,8 +18,6 @@ events that tell it, which read best together; its judgement is pure and lives a
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,8 +125,7 @@ class Preflight:
             if remaining <= 0:
                 return PreflightOrder(state="wait", reason=f"pre-flight: {self.stage}")
             node.wake.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(node.wake.wait(), remaining)
+            await node.wake.wait(remaining)
 
     async def _watch(self, node: Node, name: str, hold: float) -> PreflightOrder:
         """A node running its benchmark asks whether to go on: ``abort`` once a member of
@@ -143,8 +140,7 @@ class Preflight:
             if remaining <= 0:
                 return PreflightOrder(state="wait")
             node.wake.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(node.wake.wait(), remaining)
+            await node.wake.wait(remaining)
 
     def result(self, result: PreflightResult) -> None:
         self.job.heard_from(result.node_id)

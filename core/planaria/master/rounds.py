@@ -77,14 +77,21 @@ class Rounds:
     def _world_size(self) -> int:
         return min(self.joined, self.max_nodes) // self.node_unit * self.node_unit
 
-    def ready(self, expected: Set[str], now: float) -> bool:
-        """Whether the round can close now. ``expected``: nodes alive or on their way."""
+    def ready(self, expected: Set[str] | int, now: float) -> bool:
+        """Whether the round can close now. ``expected``: nodes alive or on their way, or
+        their number when every joiner is one of them (a node that leaves the job leaves its
+        round: :meth:`leave`); the number makes a join O(1) in the job's size."""
         size = self._world_size()
         if self.closed or size < self.min_nodes or size == 0:
             return False
         if self.joined >= self.max_nodes:
             return True
-        if expected <= self._joiners.keys():
+        everyone = (
+            self.joined >= expected
+            if isinstance(expected, int)
+            else expected <= self._joiners.keys()
+        )
+        if everyone:
             return True
         return now - self._last_join >= self.join_grace
 

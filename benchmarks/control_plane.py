@@ -1,0 +1,507 @@
+"""How the master's cost grows with the number of nodes: N simulated agents against one real
+master, for N in 100, 1,000 and 10,000.
+
+The master is a real ``planaria run`` process (its own journal, timeline and API, plain HTTP
+on loopback) whose scheduler (``simulated_nodes.py``) starts no process: the agents are asyncio
+clients in this process that speak the agents' wire protocol (the JSON of
+:mod:`planaria.protocol`) over real HTTP/1.1 keep-alive connections, one per agent, each from
+an address of its own in 127.0.0.0/8 as agents on different hosts would be. No workers run
+behind them. Each agent registers, joins the first round, then long-polls its heartbeat with
+progress (the master holds each for ``master.heartbeat_interval`` = 1 s, as it does for real
+agents, so every agent beats once a second), goes through a restart round (one agent reports a
+worker failure: every node restarts in place) and a node replacement (one agent falls silent;
+the master declares it lost after ``heartbeat_timeout``, the scheduler hands out a new node id,
+a new agent registers as it and a new round forms).
+
+Figures, for each N:
+
+- ``round_s``: from the last agent's join to the last agent's ``ready`` (the round complete);
+- ``restart_round_s``: from the failure report to every agent ``ready`` in the next round;
+- ``replace_s``: from the master's ``node_lost`` event to every agent ``ready`` in the round
+  with the replacement (``replace_total_s`` adds the heartbeat timeout before it);
+- heartbeats: per second over a window of steady long polls, and the latency of each beyond
+  the master's hold (p50/p99): what a queue in front of the master's loop adds;
+- the master's CPU seconds per second of wall time (``/proc/PID/stat``, user + system) over the
+  heartbeat window, and its resident memory (VmRSS) and peak (VmHWM).
+
+The baseline of the growth table is the smallest N measured in the same run: each row's cost
+per agent against it shows what grows faster than linearly. The last line is one JSON object
+for the largest N.
+
+    python benchmarks/control_plane.py                  # 100, 1000, 10000
+    python benchmarks/control_plane.py --agents 100 1000 --beat-window 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+HOLD = 1.0  # master.heartbeat_interval: how long the master holds a heartbeat's long poll
+TIMEOUT = 5.0  # master.heartbeat_timeout: silence after which a node is lost
+
+CONFIG = """\
+job:
+  name: control-plane
+  command: [python, -c, "pass"]
+  nodes: {n}
+  procs_per_node: 1
+  max_restarts: 1000
+  workdir: {workdir}
+scheduler: {{backend: simulated}}
+rendezvous: {{join_timeout: 600s}}
+diagnosis: {{checks: [], preflight: false}}
+master: {{heartbeat_interval: {hold}s, heartbeat_timeout: {timeout}s, grace: 60s}}
+chaos: []
+"""
+
+
+def _raise_open_files() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+# -- one simulated agent -----------------------------------------------------------------------
+
+
+class Rejected(Exception):
+    pass
+
+
+class Connection:
+    """One HTTP/1.1 keep-alive connection to the master, from a source address of its own."""
+
+    def __init__(self, host: str, port: int, token: str, source: str) -> None:
+        self.host, self.port, self.source = host, port, source
+        self.head = (
+            f"Host: {host}:{port}\r\nAuthorization: Bearer {token}\r\n"
+            "Content-Type: application/json\r\n"
+        ).encode()
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: dict[str, object]) -> tuple[int, dict[str, object]]:
+        data = json.dumps(body, separators=(",", ":")).encode()
+        for attempt in range(50):
+            try:
+                if self.writer is None:
+                    self.reader, self.writer = await asyncio.open_connection(
+                        self.host, self.port, local_addr=(self.source, 0), limit=1 << 20
+                    )
+                assert self.reader is not None
+                self.writer.write(
+                    b"POST /v1"
+                    + path.encode()
+                    + b" HTTP/1.1\r\n"
+                    + self.head
+                    + b"Content-Length: "
+                    + str(len(data)).encode()
+                    + b"\r\n\r\n"
+                    + data
+                )
+                header = await self.reader.readuntil(b"\r\n\r\n")
+                status = int(header[9:12])
+                length = 0
+                for line in header.split(b"\r\n"):
+                    if line[:15].lower() == b"content-length:":
+                        length = int(line[15:])
+                payload = await self.reader.readexactly(length)
+                return status, json.loads(payload) if payload else {}
+            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+                self.close()
+                await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
+        raise Rejected(f"{path}: no answer after 50 tries")
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
+@dataclass
+class Agent:
+    node_id: str
+    conn: Connection
+    round: int = 0
+    step: int = 0
+    ready_at: dict[int, float] = field(default_factory=dict)
+    """Round -> when this agent was told ``ready`` in it."""
+    joined_at: dict[int, float] = field(default_factory=dict)
+    """Round -> when this agent first asked to join after the previous one ended."""
+    silent: bool = False
+    beats: list[tuple[float, float]] = field(default_factory=list)
+    """(sent, latency beyond the hold) of each heartbeat long poll that came back with nothing."""
+
+    async def register(self) -> None:
+        body = {
+            "node_id": self.node_id,
+            "host": self.node_id,
+            "addr": self.conn.source,
+            "pid": os.getpid(),
+        }
+        while True:
+            status, reply = await self.conn.post("/register", body)
+            if status == 200:
+                return
+            if status != 503:  # 503: the node's launch (its replacement) is not known yet
+                raise Rejected(f"{self.node_id}: register answered {status}: {reply}")
+            await asyncio.sleep(0.05)
+
+    async def join(self) -> str:
+        body = {
+            "node_id": self.node_id,
+            "addr": self.conn.source,
+            "port": 29500,
+            "last_step": self.step,
+        }
+        self.joined_at.setdefault(self.round + 1, time.time())
+        while True:
+            status, reply = await self.conn.post("/rendezvous/join", body)
+            if status != 200:
+                raise Rejected(f"{self.node_id}: join answered {status}: {reply}")
+            if reply["state"] == "ready":
+                info = reply["info"]
+                assert isinstance(info, dict)
+                self.round = int(info["round"])
+                self.ready_at[self.round] = time.time()
+                return "ready"
+            if reply["state"] == "exit":
+                return "exit"
+
+    async def beat(self) -> str:
+        """Long-poll heartbeats with progress until the master sends an action."""
+        while not self.silent:
+            self.step += 1
+            now = time.time()
+            body = {
+                "node_id": self.node_id,
+                "round": self.round,
+                "activity": "running",
+                "progress": [
+                    {
+                        "local_rank": 0,
+                        "step": self.step,
+                        "time": now,
+                        "step_s": 1.0,
+                        "busy_s": 0.9,
+                        "first_step": 1,
+                    }
+                ],
+                "wait": True,
+            }
+            sent = time.monotonic()
+            status, reply = await self.conn.post("/heartbeat", body)
+            took = time.monotonic() - sent
+            if status == 410 or self.silent:
+                return "fenced"
+            if status != 200:
+                raise Rejected(f"{self.node_id}: heartbeat answered {status}: {reply}")
+            action = reply["action"]
+            assert isinstance(action, dict)
+            if action["kind"] == "none":
+                self.beats.append((sent, max(0.0, took - HOLD)))
+                continue
+            return str(action["kind"])
+        return "silent"
+
+    async def live(self) -> None:
+        await self.register()
+        while True:
+            if await self.join() == "exit":
+                return
+            action = await self.beat()
+            if action in ("exit", "fenced", "silent"):
+                self.conn.close()
+                return
+
+
+# -- the master --------------------------------------------------------------------------------
+
+
+class MasterProcess:
+    """``planaria run`` with the simulated scheduler, in a directory of its own."""
+
+    def __init__(self, n: int, root: Path) -> None:
+        self.root = root
+        plugins = root / "plugins"
+        info = plugins / "planaria_bench_simulated-1.0.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(
+            "Metadata-Version: 2.1\nName: planaria-bench-simulated\nVersion: 1.0\n"
+        )
+        (info / "entry_points.txt").write_text("[planaria]\nsimulated = simulated_nodes\n")
+        config = root / "job.yaml"
+        config.write_text(CONFIG.format(n=n, workdir=root, hold=HOLD, timeout=TIMEOUT))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(plugins), str(HERE), *filter(None, [env.get("PYTHONPATH")])]
+        )
+        self.log = (root / "master.out").open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "planaria", "--log-level", "warning", "run", str(config)],
+            cwd=root,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_raise_open_files,
+            start_new_session=True,
+        )
+        self.run_dir: Path | None = None
+        self._events: list[dict[str, object]] = []
+        self._read = 0
+
+    async def address(self) -> tuple[str, int, str]:
+        """The master's host, port and token, once its API listens (from its journal)."""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the master exited: {self.output()}")
+            runs = list((self.root / "planaria-runs").glob("*/token"))
+            if runs:
+                self.run_dir = runs[0].parent
+                text = (self.root / "master.out").read_text(errors="replace")
+                if "master at http://" in text:
+                    url = text.split("master at http://", 1)[1].split()[0]
+                    host, port = url.rsplit(":", 1)
+                    return host, int(port), runs[0].read_text().strip()
+            await asyncio.sleep(0.05)
+        raise RuntimeError(f"the master did not start in 60 s: {self.output()}")
+
+    def output(self) -> str:
+        return (self.root / "master.out").read_text(errors="replace")[-3000:]
+
+    def cpu_s(self) -> float:
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def memory_mib(self) -> tuple[float, float]:
+        found = {}
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                found[key] = int(value.split()[0]) / 1024
+        return found["VmRSS"], found["VmHWM"]
+
+    def events(self, kind: str) -> list[dict[str, object]]:
+        """The job's events of ``kind`` so far (its timeline, ``events.jsonl``)."""
+        assert self.run_dir is not None
+        with (
+            contextlib.suppress(FileNotFoundError),
+            (self.run_dir / "events.jsonl").open("rb") as f,
+        ):
+            f.seek(self._read)
+            text = f.read()
+            whole = text[: text.rfind(b"\n") + 1]  # a line half written is read whole next time
+            self._read += len(whole)
+            self._events += [json.loads(line) for line in whole.splitlines()]
+        return [e for e in self._events if e.get("kind") == kind]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+# -- one measurement ---------------------------------------------------------------------------
+
+
+def source_address(i: int) -> str:
+    return f"127.{1 + i // 62500}.{(i // 250) % 250}.{i % 250 + 1}"
+
+
+async def wait_for(condition, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        await asyncio.sleep(0.02)
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def measure(n: int, beat_window: float, root: Path) -> dict[str, float | int]:
+    master = MasterProcess(n, root)
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        host, port, token = await master.address()
+        agents = [
+            Agent(f"node-{i}", Connection(host, port, token, source_address(i))) for i in range(n)
+        ]
+        start = time.time()
+        for agent in agents:
+            tasks.append(asyncio.create_task(agent.live()))
+        await wait_for(lambda: all(1 in a.ready_at for a in agents), 300, "the first round")
+        last_join = max(a.joined_at[1] for a in agents)
+        round_s = max(a.ready_at[1] for a in agents) - last_join
+        startup_s = max(a.ready_at[1] for a in agents) - start
+
+        # Steady heartbeats: every agent long-polls; the window starts once all have beaten.
+        await asyncio.sleep(HOLD * 2)
+        cpu0, t0 = master.cpu_s(), time.monotonic()
+        await asyncio.sleep(beat_window)
+        cpu1, t1 = master.cpu_s(), time.monotonic()
+        window = [
+            late for a in agents for sent, late in a.beats if t0 <= sent and sent + HOLD <= t1
+        ]
+        rss, _ = master.memory_mib()
+
+        # A restart round: one agent's worker fails, every node restarts in place.
+        failing = agents[n // 2]
+        report = {
+            "node_id": failing.node_id,
+            "round": failing.round,
+            "succeeded": False,
+            "failure": {
+                "local_rank": 0,
+                "rank": n // 2,
+                "pid": 1,
+                "exitcode": 1,
+                "signal": None,
+                "time": time.time(),
+                "log_tail": "RuntimeError: simulated failure",
+                "description": "exit code 1",
+            },
+        }
+        reporter = Connection(host, port, token, "127.0.0.1")
+        failed_at = time.time()
+        status, reply = await reporter.post("/workers", report)
+        reporter.close()
+        if status != 200:
+            raise Rejected(f"the failure report answered {status}: {reply}")
+        await wait_for(lambda: all(2 in a.ready_at for a in agents), 300, "the restart round")
+        restart_round_s = max(a.ready_at[2] for a in agents) - failed_at
+
+        # A node replacement: one agent falls silent; the master declares it lost and asks the
+        # scheduler for another node, whose agent then starts (as the scheduler would start it).
+        await asyncio.sleep(HOLD * 2)
+        lost = agents[n // 3]
+        lost.silent = True
+        lost.conn.close()
+        silent_at = time.time()
+        await wait_for(lambda: master.events("node_replaced"), 300 + TIMEOUT, "the replacement")
+        replaced = master.events("node_replaced")[0]
+        data = replaced["data"]
+        assert isinstance(data, dict) and replaced["node"] == lost.node_id, replaced
+        newcomer = Agent(str(data["replacement"]), Connection(host, port, token, source_address(n)))
+        newcomer.round = lost.round
+        tasks.append(asyncio.create_task(newcomer.live()))
+        survivors = [a for a in agents if a is not lost] + [newcomer]
+        await wait_for(
+            lambda: all(3 in a.ready_at for a in survivors), 300, "the round with the replacement"
+        )
+        done_at = max(a.ready_at[3] for a in survivors)
+        lost_at = min(
+            float(e["time"])
+            for e in master.events("fault_detected")
+            if isinstance(e["data"], dict) and e["data"].get("fault") == "node_lost"
+        )
+        _, peak = master.memory_mib()
+        rate = len(window) / (t1 - t0)
+        return {
+            "agents": n,
+            "startup_s": round(startup_s, 3),
+            "round_s": round(round_s, 3),
+            "restart_round_s": round(restart_round_s, 3),
+            "replace_s": round(done_at - lost_at, 3),
+            "replace_total_s": round(done_at - silent_at, 3),
+            "heartbeats_per_s": round(rate, 1),
+            "heartbeat_p50_ms": round(pct(window, 0.5) * 1000, 1),
+            "heartbeat_p99_ms": round(pct(window, 0.99) * 1000, 1),
+            "master_cpu_per_s": round((cpu1 - cpu0) / (t1 - t0), 3),
+            "master_rss_mib": round(rss, 1),
+            "master_peak_rss_mib": round(peak, 1),
+        }
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        code = master.stop()
+        if code not in (0, 1, -15, 143):
+            print(f"master exited {code}:\n{master.output()}", file=sys.stderr)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--agents", type=int, nargs="+", default=[100, 1000, 10000])
+    parser.add_argument(
+        "--beat-window", type=float, default=10.0, help="seconds of steady heartbeats measured"
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the masters' run directories")
+    args = parser.parse_args()
+    _raise_open_files()
+    rows = []
+    for n in args.agents:
+        root = Path(tempfile.mkdtemp(prefix=f"planaria-cp-{n}-"))
+        try:
+            row = asyncio.run(measure(n, args.beat_window, root))
+        finally:
+            if not args.keep:
+                shutil.rmtree(root, ignore_errors=True)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    base = rows[0]
+    print()
+    print(
+        f"{'agents':>7} {'round_s':>8} {'restart_s':>9} {'replace_s':>9} {'beats/s':>8} "
+        f"{'p50_ms':>7} {'p99_ms':>7} {'cpu/s':>6} {'rss_MiB':>8}  "
+        f"{'ms/agent round':>14} {'x base':>7} {'cpu us/beat':>11} {'x base':>7}"
+    )
+    per_beat_base = base["master_cpu_per_s"] / max(base["heartbeats_per_s"], 1e-9)
+    for row in rows:
+        per_agent = row["restart_round_s"] / row["agents"] * 1000
+        per_agent_base = base["restart_round_s"] / base["agents"] * 1000
+        per_beat = row["master_cpu_per_s"] / max(row["heartbeats_per_s"], 1e-9)
+        print(
+            f"{row['agents']:>7} {row['round_s']:>8.3f} {row['restart_round_s']:>9.3f} "
+            f"{row['replace_s']:>9.3f} {row['heartbeats_per_s']:>8.0f} "
+            f"{row['heartbeat_p50_ms']:>7.1f} {row['heartbeat_p99_ms']:>7.1f} "
+            f"{row['master_cpu_per_s']:>6.2f} {row['master_rss_mib']:>8.1f}  "
+            f"{per_agent:>14.3f} {per_agent / per_agent_base:>7.2f} "
+            f"{per_beat * 1e6:>11.1f} {per_beat / per_beat_base:>7.2f}"
+        )
+    top = rows[-1]
+    print(
+        json.dumps(
+            {
+                k: top[k]
+                for k in (
+                    "agents",
+                    "round_s",
+                    "restart_round_s",
+                    "heartbeat_p99_ms",
+                    "master_cpu_per_s",
+                    "master_rss_mib",
+                )
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
