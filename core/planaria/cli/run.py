@@ -14,7 +14,26 @@ from rich.table import Table
 from rich.text import Text
 
 from planaria import log
-from planaria.cli.app import EXIT_USAGE, SetOption, app, configure_logging
+from planaria.cli.app import EXIT_USAGE, ConfigOption, SetOption, app, configure_logging
+from planaria.cli.launch import (
+    META_LITERAL,
+    LaunchError,
+    LogDirOption,
+    MasterAddrOption,
+    MasterPortOption,
+    MaxRestartsOption,
+    ModuleOption,
+    MonitorOption,
+    NnodesOption,
+    NoPythonOption,
+    NprocOption,
+    RdzvIdOption,
+    RunCommand,
+    ShutdownOption,
+    StandaloneOption,
+    TorchrunFlags,
+    training_command,
+)
 from planaria.cli.output import error, out, warning
 from planaria.config import ResolvedConfig, load_raw, read
 from planaria.diagnosis.preflight import PreflightReport
@@ -42,9 +61,15 @@ EVENT_STYLE = {
 
 
 def _prepare(
-    file: Path, overrides: list[str], chaos: list[str], command: list[str]
+    file: Path | None,
+    overrides: list[str],
+    chaos: list[str],
+    command: list[str],
+    flags: TorchrunFlags | None = None,
 ) -> tuple[ResolvedConfig, PluginManager]:
     raw = read(file, overrides)
+    if flags is not None:
+        flags.apply(raw)
     if chaos:
         raw.data["chaos"] = [*(raw.data.get("chaos") or []), *chaos]
     if command:
@@ -222,7 +247,10 @@ HOOKS = RunHooks(on_event=_print_event, on_start=_started, on_warning=warning, f
 Command = Annotated[
     Optional[list[str]],  # noqa: UP045
     typer.Argument(
-        help="the training command (after --), overriding job.command", show_default=False
+        metavar="[SCRIPT [ARGS]... | -- COMMAND...]",
+        help="the training script and its arguments, run by this Python as torchrun runs "
+        "them; or, after --, a command run as written. Either overrides job.command",
+        show_default=False,
     ),
 ]
 ChaosOption = Annotated[
@@ -248,36 +276,88 @@ ResumeOption = Annotated[
 ]
 
 
-@app.command("run")
+@app.command(
+    "run",
+    cls=RunCommand,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
 def run_command(
+    ctx: typer.Context,
     file: Annotated[
         Optional[Path],  # noqa: UP045
-        typer.Argument(help="job config file (YAML or TOML)", show_default=False),
+        typer.Argument(
+            metavar="[JOB.yaml]", help="job config file (YAML or TOML)", show_default=False
+        ),
     ] = None,
     command: Command = None,
+    config: ConfigOption = None,
     set_: SetOption = None,
     chaos: ChaosOption = None,
     resume: ResumeOption = None,
+    nnodes: NnodesOption = None,
+    nproc_per_node: NprocOption = None,
+    max_restarts: MaxRestartsOption = None,
+    rdzv_id: RdzvIdOption = None,
+    master_addr: MasterAddrOption = None,
+    master_port: MasterPortOption = None,
+    log_dir: LogDirOption = None,
+    shutdown_timeout: ShutdownOption = None,
+    monitor_interval: MonitorOption = None,
+    module: ModuleOption = False,
+    no_python: NoPythonOption = False,
+    standalone: StandaloneOption = False,
 ) -> None:
     """Run a training job: master, nodes, rendezvous, supervision and recovery.
 
-    Exit 0 only if the training command succeeded; 2 for a bad config, and for workers that
-    cannot start.
+    With a job file (planaria run job.yaml), or torchrun's way without one: planaria run
+    --nnodes 2 --nproc-per-node 4 train.py --lr 0.1. torchrun's flags override the file's
+    fields; everything after the script is the script's.
+
+    Exit 0 only if the training command succeeded; 2 for a bad config or command line, and
+    for workers that cannot start.
     """
+    del standalone  # a job is standalone unless its scheduler says otherwise
+    flags = TorchrunFlags(
+        nnodes=nnodes,
+        nproc_per_node=nproc_per_node,
+        max_restarts=max_restarts,
+        rdzv_id=rdzv_id,
+        master_addr=master_addr,
+        master_port=master_port,
+        log_dir=log_dir,
+        shutdown_timeout=shutdown_timeout,
+        module=module,
+        no_python=no_python,
+    )
+    if file is not None and config is not None:
+        error(f"give the job file once: {file} and --config {config}")
+        raise SystemExit(EXIT_USAGE)
+    file = file or config
+    literal = bool(ctx.meta.get(META_LITERAL))
+    try:
+        command = training_command(command or [], flags, literal)
+    except LaunchError as exc:
+        error(str(exc))
+        raise SystemExit(EXIT_USAGE) from None
+    if monitor_interval is not None:
+        warning("--monitor-interval is ignored: the agent watches its workers every 20 ms")
     if resume is not None:
-        if file is not None or command or set_ or chaos:
-            error("--resume takes the job as it was journalled: give no config, --set or --chaos")
+        if file is not None or command or set_ or chaos or flags.given():
+            error(
+                "--resume takes the job as it was journalled: give no config, command, --set, "
+                "--chaos or torchrun flags"
+            )
             raise SystemExit(EXIT_USAGE)
         try:
             summary, run_dir = asyncio.run(resume_job(resume, hooks=HOOKS))
         except JournalError as exc:
             error(str(exc))
             raise SystemExit(EXIT_USAGE) from None
-    elif file is None:
-        error("give a job config file, or --resume RUN_DIR")
+    elif file is None and not command:
+        error("give a job config file, a training script (torchrun's way), or --resume RUN_DIR")
         raise SystemExit(EXIT_USAGE)
     else:
-        resolved, manager = _prepare(file, set_ or [], chaos or [], command or [])
+        resolved, manager = _prepare(file, set_ or [], chaos or [], command, flags)
         summary, run_dir = asyncio.run(run_job(resolved, manager, hooks=HOOKS))
     print_summary(summary, run_dir)
     if summary.state != JobState.SUCCEEDED.value:

@@ -1,0 +1,349 @@
+"""torchrun's command line for ``planaria run``: ``planaria run --nnodes 1:2 --nproc-per-node 4
+train.py --lr 0.1`` needs no job file, and a torchrun line moves over by changing one word.
+
+Two things make this more than a few options:
+
+- Everything from the training script on belongs to the script, as with torchrun: ``train.py
+  --lr 0.1 -c x`` passes ``-c x`` to the script even though ``-c`` is also ours. Click would
+  take options from anywhere on the line, so :class:`RunCommand` cuts the line itself, before
+  click sees it, at the first word that is neither an option of ours (with its value) nor the
+  job file; click then parses only the part before the cut, with its own errors and help.
+- torchrun's flags mean what torchrun says they mean, mapped onto the job file's fields (they
+  override the file's values when both are given); a torchrun flag that has no meaning here is
+  refused with the reason, never ignored silently.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, Optional
+
+import typer
+from pydantic import ValidationError
+from typer.core import TyperCommand
+
+from planaria.agent.program import is_python
+from planaria.config import RawConfig
+from planaria.config.models import MAX_PROCS_PER_NODE, JobSection, NodeRange
+
+CONFIG_SUFFIXES = (".yaml", ".yml", ".toml")
+"""A first word ending so is the job file, not a training script."""
+META_LITERAL = "planaria.literal_command"
+"""Key in the click context: the command came after ``--`` and is run as written."""
+
+UNSUPPORTED = {
+    "--rdzv-backend": "rounds are formed by planaria's job master, the one rendezvous there is",
+    "--rdzv-endpoint": "agents reach the job master; give its address with --master-addr and "
+    "--master-port",
+    "--rdzv-conf": "set the rendezvous section instead, e.g. --set rendezvous.join_grace=5s",
+    "--node-rank": "the job master gives each node its rank (and keeps it across rounds)",
+    "--start-method": "workers start from a warm interpreter, or are exec'd",
+    "--role": "a job has one role",
+    "--run-path": "workers are separate processes, restarted in place",
+    "--redirects": "every worker's output goes to the run's logs/ directory",
+    "-r": "every worker's output goes to the run's logs/ directory",
+    "--tee": "every worker's output goes to the run's logs/ directory",
+    "-t": "every worker's output goes to the run's logs/ directory",
+    "--local-ranks-filter": "every worker's output goes to the run's logs/ directory",
+    "--local-addr": "a node's address comes from the scheduler (set master.advertise for the "
+    "master's)",
+    "--logs-specs": "logs are the run's logs/ directory",
+    "--event-log-handler": "events go to the run's events.jsonl and to planaria_job_event plugins",
+    "--numa-binding": "not supported",
+    "--virtual-local-rank": "not supported",
+    "--signals-to-handle": "the agent forwards SIGTERM and SIGINT to the workers",
+    "--duplicate-stdout-filters": "not supported",
+    "--duplicate-stderr-filters": "not supported",
+}
+
+
+def _spellings(*names: str) -> tuple[str, ...]:
+    """A flag as torchrun takes it: ``--nproc-per-node`` and ``--nproc_per_node``."""
+    out: list[str] = []
+    for name in names:
+        out.append(name)
+        if name.startswith("--") and "-" in name[2:]:
+            out.append("--" + name[2:].replace("-", "_"))
+    return tuple(out)
+
+
+def _unsupported(flag: str) -> str | None:
+    name = flag.split("=", 1)[0]
+    key = name if name in UNSUPPORTED else "--" + name[2:].replace("_", "-")
+    reason = UNSUPPORTED.get(key) if name.startswith("-") else None
+    return None if reason is None else f"planaria has no such flag: {reason}"
+
+
+class RunCommand(TyperCommand):
+    """Cuts the line before the training script; click parses only what comes before it."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        head, tail, literal = split_line(self.get_params(ctx), ctx, args)
+        rest = super().parse_args(ctx, head)
+        ctx.params["command"] = tail
+        ctx.meta[META_LITERAL] = literal
+        return rest
+
+
+def split_line(
+    params: Sequence[Any], ctx: Any, args: Sequence[str]
+) -> tuple[list[str], list[str], bool]:
+    """``(planaria's part, the command, whether it came after --)``: the command starts at
+    ``--`` or at the first word that is neither an option with its value nor the job file.
+    ``params`` are the command's (typer's own click) parameters."""
+    takes_value: dict[str, bool] = {}
+    for param in params:
+        if param.param_type_name == "option":
+            for name in (*param.opts, *param.secondary_opts):
+                takes_value[name] = not param.is_flag and not param.count
+    config_given = file_seen = False
+    i = 0
+    while i < len(args):
+        word = args[i]
+        if word == "--":
+            return list(args[:i]), list(args[i + 1 :]), True
+        if word.startswith("-") and word != "-":
+            why = _unsupported(word)
+            if why is not None:
+                raise typer.BadParameter(why, ctx=ctx, param_hint=repr(word.split("=", 1)[0]))
+            config_given = config_given or word.split("=", 1)[0] in ("-c", "--config")
+            i += 2 if takes_value.get(word, False) else 1
+            continue
+        if not file_seen and not config_given and word.lower().endswith(CONFIG_SUFFIXES):
+            file_seen = True
+            i += 1
+            continue
+        return list(args[:i]), list(args[i:]), False
+    return list(args), [], False
+
+
+# -- torchrun's flags ---------------------------------------------------------------------------
+
+
+def _nnodes(value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        NodeRange.model_validate(value)
+    except ValidationError as exc:
+        raise typer.BadParameter(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
+    return value
+
+
+def _nproc(value: str | None) -> str | None:
+    if value is not None:
+        resolve_nproc(value)  # fails early, with the flag's name
+    return value
+
+
+def _rdzv_id(value: str | None) -> str | None:
+    if value is not None:
+        try:
+            JobSection.model_validate({"name": value})
+        except ValidationError:
+            raise typer.BadParameter(
+                f"{value!r} is no job name: letters, digits, '_', '.' and '-', at most 63, "
+                "starting with a letter or digit"
+            ) from None
+    return value
+
+
+def resolve_nproc(value: str) -> int:
+    """``--nproc-per-node`` as torchrun reads it: a number, ``cpu`` (this machine's CPUs),
+    ``gpu`` (its CUDA devices) or ``auto`` (the GPUs if there are any, else the CPUs). Counted
+    on the machine that runs ``planaria run``, which with the local scheduler is every node."""
+    text = value.strip().lower()
+    if text.isdigit():
+        count = int(text[-7:]) if len(text) <= 7 else MAX_PROCS_PER_NODE + 1
+    elif text in ("cpu", "gpu", "auto"):
+        gpus = _cuda_devices() if text != "cpu" else 0
+        if text == "gpu" and gpus == 0:
+            raise typer.BadParameter("'gpu' asks for one worker per CUDA device; there is none")
+        count = gpus or os.cpu_count() or 1
+    else:
+        raise typer.BadParameter(f"{value!r}: expected a number, or cpu, gpu or auto")
+    if not 1 <= count <= MAX_PROCS_PER_NODE:
+        raise typer.BadParameter(f"{value!r}: between 1 and {MAX_PROCS_PER_NODE} workers a node")
+    return count
+
+
+def _cuda_devices() -> int:
+    if importlib.util.find_spec("torch") is None:
+        return 0
+    import torch
+
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+NnodesOption = Annotated[
+    Optional[str],  # noqa: UP045
+    typer.Option(
+        "--nnodes",
+        metavar="N|MIN:MAX",
+        callback=_nnodes,
+        help="nodes, or an elastic range (job.nodes)",
+        show_default=False,
+    ),
+]
+NprocOption = Annotated[
+    Optional[str],  # noqa: UP045
+    typer.Option(
+        *_spellings("--nproc-per-node"),
+        metavar="N|cpu|gpu|auto",
+        callback=_nproc,
+        help="workers per node (job.procs_per_node)",
+        show_default=False,
+    ),
+]
+MaxRestartsOption = Annotated[
+    Optional[int],  # noqa: UP045
+    typer.Option(
+        *_spellings("--max-restarts"),
+        min=0,
+        help="restarts before the job stops (job.max_restarts)",
+        show_default=False,
+    ),
+]
+RdzvIdOption = Annotated[
+    Optional[str],  # noqa: UP045
+    typer.Option(
+        *_spellings("--rdzv-id", "--run-id"),
+        callback=_rdzv_id,
+        help="the job's name (job.name)",
+        show_default=False,
+    ),
+]
+MasterAddrOption = Annotated[
+    Optional[str],  # noqa: UP045
+    typer.Option(
+        *_spellings("--master-addr"),
+        help="address the job master binds, which agents reach (master.host)",
+        show_default=False,
+    ),
+]
+MasterPortOption = Annotated[
+    Optional[int],  # noqa: UP045
+    typer.Option(
+        *_spellings("--master-port"),
+        min=0,
+        max=65535,
+        help="the job master's port; 0 is any free port (master.port)",
+        show_default=False,
+    ),
+]
+LogDirOption = Annotated[
+    Optional[str],  # noqa: UP045
+    typer.Option(
+        *_spellings("--log-dir"),
+        help="where each run gets its directory of logs and events (job.run_dir)",
+        show_default=False,
+    ),
+]
+ShutdownOption = Annotated[
+    Optional[float],  # noqa: UP045
+    typer.Option(
+        *_spellings("--shutdown-timeout"),
+        min=0,
+        help="seconds from SIGTERM to SIGKILL when workers stop (job.stop_grace)",
+        show_default=False,
+    ),
+]
+MonitorOption = Annotated[
+    Optional[float],  # noqa: UP045
+    typer.Option(
+        *_spellings("--monitor-interval"),
+        min=0,
+        hidden=True,
+        help="accepted for torchrun's lines; the agent watches its workers every 20 ms",
+        show_default=False,
+    ),
+]
+ModuleOption = Annotated[
+    bool, typer.Option("-m", "--module", help="run the script as python -m MODULE")
+]
+NoPythonOption = Annotated[
+    bool,
+    typer.Option(*_spellings("--no-python"), help="run the script itself, not with python"),
+]
+StandaloneOption = Annotated[
+    bool,
+    typer.Option(
+        "--standalone",
+        help="accepted for torchrun's lines: a job is standalone unless its scheduler says "
+        "otherwise",
+    ),
+]
+
+
+@dataclass(frozen=True)
+class TorchrunFlags:
+    """torchrun's flags as given (None: not given), and what each overrides."""
+
+    nnodes: str | None = None
+    nproc_per_node: str | None = None
+    max_restarts: int | None = None
+    rdzv_id: str | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    log_dir: str | None = None
+    shutdown_timeout: float | None = None
+    module: bool = False
+    no_python: bool = False
+
+    def given(self) -> bool:
+        return any(v not in (None, False) for v in vars(self).values())
+
+    def overrides(self) -> dict[tuple[str, str], Any]:
+        fields: dict[tuple[str, str], Any] = {
+            ("job", "nodes"): self.nnodes,
+            ("job", "procs_per_node"): None
+            if self.nproc_per_node is None
+            else resolve_nproc(self.nproc_per_node),
+            ("job", "max_restarts"): self.max_restarts,
+            ("job", "name"): self.rdzv_id,
+            ("job", "run_dir"): self.log_dir,
+            ("job", "stop_grace"): self.shutdown_timeout,
+            ("master", "host"): self.master_addr,
+            ("master", "port"): self.master_port,
+        }
+        return {path: value for path, value in fields.items() if value is not None}
+
+    def apply(self, raw: RawConfig) -> None:
+        """Override the job file's fields (a section that is not a mapping is left for
+        validation to report)."""
+        for (section, key), value in self.overrides().items():
+            node = raw.data.setdefault(section, {})
+            if isinstance(node, dict):
+                node[key] = value
+
+
+class LaunchError(ValueError):
+    """A training command that cannot be built from the line."""
+
+
+def training_command(tail: Sequence[str], flags: TorchrunFlags, literal: bool) -> list[str]:
+    """The job's command from what follows planaria's options: after ``--``, or a command that
+    starts with a Python interpreter, as written; otherwise torchrun's ``script args...`` (or
+    ``module args...`` with ``-m``, or ``program args...`` with ``--no-python``) run by this
+    interpreter (``$PYTHON_EXEC`` if set, as torchrun does)."""
+    if flags.module and flags.no_python:
+        raise LaunchError("give -m/--module or --no-python, not both")
+    if not tail:
+        if flags.module or flags.no_python:
+            raise LaunchError("-m/--module and --no-python need a training script after them")
+        return []
+    if literal or is_python(tail[0]):
+        if flags.module or flags.no_python:
+            raise LaunchError(
+                "-m/--module and --no-python apply to a training script, not to a command "
+                "given as written (after --, or starting with python)"
+            )
+        return list(tail)
+    if flags.no_python:
+        return list(tail)
+    python = os.environ.get("PYTHON_EXEC") or sys.executable
+    return [python, "-m", *tail] if flags.module else [python, *tail]
