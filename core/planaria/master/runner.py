@@ -396,7 +396,13 @@ async def _run(
             per_client=config.master.max_connections_per_client,
             max_request_bytes=config.master.max_request_bytes,
         )
-        app_ = make_app(master, token, hold=config.master.heartbeat_interval, limits=limits)
+        app_ = make_app(
+            master,
+            token,
+            hold=config.master.heartbeat_interval,
+            limits=limits,
+            public_with=["master.metrics_public"] if config.master.metrics_public else [],
+        )
         wire = transport(config.master.host, config.master.tls)
         tls, pin = _tls(resolved, wire.tls, master, run_dir)  # the same again on a resume
         server, port = await _serve(resolved, app_, master, run_dir, port, tls)
