@@ -21,7 +21,13 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from test_master_api import settings
 from test_run import EXAMPLE, job, marked_processes, start
+
+from planaria.master.job import Master
+from planaria.master.metrics import JobMetrics
+from planaria.master.state import Node, NodePhase
+from planaria.scheduler.local import LocalOptions, LocalScheduler
 
 pytest.importorskip("torch")
 
@@ -271,3 +277,31 @@ def test_metrics_public_serves_them_without_the_token_and_nothing_else(tmp_path:
     finally:
         output = finish(proc, mark)
     assert proc.returncode == 0, output[-3000:]
+
+
+def test_a_node_id_of_any_characters_comes_back_as_it_is(tmp_path: Path) -> None:
+    """Node ids are the scheduler's: quotes, backslashes and newlines are escaped, and every
+    per-node family parses back to the same ids, in promtool too where it is installed."""
+    master = Master(settings(tmp_path), LocalScheduler(LocalOptions()), tmp_path)
+    try:
+        odd = ['a"b', "c\\d", "e\nf", "g h=i,j}"]
+        for node_id in odd:
+            master.fleet.add(Node(node_id, "host", NodePhase.RUNNING))
+        master.diagnosis.detector.flagged.add(('a"b', 0))
+        text = JobMetrics(master).exposition().root
+    finally:
+        master.timeline.close()
+    scrape = Scrape(0.0, text, parse(text))
+    flags = {
+        dict(ls)["node"]: v
+        for (n, ls), v in scrape.values.items()
+        if n == "planaria_node_straggler"
+    }
+    assert flags == {'a"b': 1, "c\\d": 0, "e\nf": 0, "g h=i,j}": 0}
+    assert scrape.get("planaria_nodes", state="running") == 4
+    promtool = shutil.which("promtool")
+    if promtool is not None:
+        checked = subprocess.run(
+            [promtool, "check", "metrics"], input=text, capture_output=True, text=True
+        )
+        assert checked.returncode == 0, checked.stdout + checked.stderr
