@@ -186,7 +186,7 @@ def test_the_counters_move_as_the_job_goes_through_a_worker_kill(faulty_run: Run
     fault_class = fault["data"]["fault_class"]  # type: ignore[index]
     assert after.get("planaria_faults_total", fault="worker_failed", **{"class": fault_class}) == 1
     assert after.total("planaria_faults_total") == 1
-    # A rule at a step fires inside the worker, unannounced; one the agent fires is reported.
+    # A rule at a step fires inside the worker, unannounced (only kill_node is announced).
     chaos = [e for e in run.timeline if e["data"].get("fault") == "chaos"]  # type: ignore[attr-defined]
     assert after.total("planaria_faults_injected_total") == len(chaos)
     (recovery,) = [e for e in run.timeline if e["kind"] == "recovered"]

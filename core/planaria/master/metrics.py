@@ -75,7 +75,10 @@ class JobMetrics:
             registry=r,
         )
         self.injected = Counter(
-            "planaria_faults_injected", "Chaos rules that fired, by kind", ["kind"], registry=r
+            "planaria_faults_injected",
+            "Chaos rules announced as they fired, by kind",
+            ["kind"],
+            registry=r,
         )
         self.recovery = Histogram(
             "planaria_recovery_seconds",
