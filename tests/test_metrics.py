@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_master_api import settings
 from test_run import EXAMPLE, job, marked_processes, start
 
+from planaria import events
 from planaria.master.job import Master
 from planaria.master.metrics import JobMetrics
 from planaria.master.state import Node, NodePhase
@@ -145,8 +146,8 @@ def faulty_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     finally:
         output = finish(proc, mark)
     (timeline,) = workdir.glob("planaria-runs/*/events.jsonl")
-    events = [json.loads(line) for line in timeline.read_text().splitlines()]
-    yield Run(scrapes, refused, output, proc.returncode, events)
+    recorded = [json.loads(line) for line in timeline.read_text().splitlines()]
+    yield Run(scrapes, refused, output, proc.returncode, recorded)
 
 
 def test_the_counters_move_as_the_job_goes_through_a_worker_kill(faulty_run: Run) -> None:
@@ -305,3 +306,20 @@ def test_a_node_id_of_any_characters_comes_back_as_it_is(tmp_path: Path) -> None
             [promtool, "check", "metrics"], input=text, capture_output=True, text=True
         )
         assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_events_before_the_metrics_were_made_are_counted_too(tmp_path: Path) -> None:
+    """A resumed master emits ``master_resumed`` before its API (and its metrics) exist."""
+    master = Master(settings(tmp_path), LocalScheduler(LocalOptions()), tmp_path)
+    try:
+        restart = events.WorkersRestarted(round=2, cause="fault", fault="hang", restart=1)
+        master.emit(restart, "before")
+        metrics = JobMetrics(master)
+        master.emit(restart, "after")
+        master.emit(events.WorkersRestarted(round=3, cause="scale_up", standby=["n"]), "grow")
+        scrape = Scrape(0.0, "", parse(metrics.exposition().root))
+    finally:
+        master.timeline.close()
+    assert scrape.get("planaria_restarts_total", cause="hang") == 2
+    assert scrape.get("planaria_restarts_total", cause="scale_up") == 1
+    assert scrape.get("planaria_events_total", kind="workers_restarted") == 3

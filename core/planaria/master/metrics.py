@@ -184,6 +184,8 @@ class JobMetrics:
         self._on(events.PersisterRestarted, lambda p, e: self.persister_restarts.inc())
         self.state = StateNow(master)
         r.register(self.state)
+        for event in master.timeline.events:  # what this master saw before: its resume ...
+            self.observe(event)
         master.timeline.watch(self.observe)
 
     def _on(self, kind: type[P], count: Callable[[P, JobEvent], None]) -> None:
