@@ -72,11 +72,14 @@ def test_every_route_is_documented_with_its_body_reply_errors_and_token():
     for route in ROUTES:
         op = doc["paths"][route.path][route.method.lower()]
         assert op["summary"] == route.summary
-        ok = op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
+        ok = op["responses"]["200"]["content"][route.media_type]["schema"]["$ref"]
         assert ok == f"#/components/schemas/{route.reply.__name__}"
         statuses = {int(s) for s in op["responses"]} - {200}
         if route.public:
             assert op["security"] == [] and 401 not in statuses
+        elif route.public_with is not None:  # the token, or none with the option on
+            assert op["security"] == [{"jobToken": []}, {}] and 401 in statuses
+            assert route.public_with in route.summary
         else:
             assert "security" not in op and 401 in statuses
         if route.request is None:

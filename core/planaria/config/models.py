@@ -471,6 +471,11 @@ class MasterSection(Section):
         ge=1024,
         description="largest request body the master's API reads; a larger one gets a 413",
     )
+    metrics_public: bool = Field(
+        default=False,
+        description="serve GET /metrics (Prometheus) without the job's token, for a scraper "
+        "that does not have it",
+    )
 
 
 class Config(Section):

@@ -10,6 +10,7 @@ health check, a straggler when ``replace_stragglers``), or stop (a user error wh
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 from planaria import events
 from planaria.diagnosis.classify import exception_line
@@ -237,6 +238,11 @@ class Diagnosis:
         self._times_changed, self._checked_at = False, now
         for straggler in self.detector.check(self._times):
             self._flag(straggler)
+
+    def step_times(self) -> Mapping[int, RankTimes]:
+        """The current round's ranks by global rank, each with its latest step-time medians
+        (what the straggler check compares); empty until its heartbeats bring them."""
+        return self._times if self._times_round == self.job.round else {}
 
     def _flag(self, straggler: Straggler) -> None:
         self.stragglers.append(straggler)

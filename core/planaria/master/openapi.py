@@ -79,7 +79,7 @@ def document(routes: Sequence[Route] = ROUTES) -> dict[str, Any]:
         responses: dict[str, Any] = {
             "200": {
                 "description": route.reply.__name__,
-                "content": {"application/json": {"schema": refs[(route.reply, "serialization")]}},
+                "content": {route.media_type: {"schema": refs[(route.reply, "serialization")]}},
             }
         }
         for status in route_errors(route):
@@ -87,6 +87,8 @@ def document(routes: Sequence[Route] = ROUTES) -> dict[str, Any]:
         operation["responses"] = responses
         if route.public:
             operation["security"] = []
+        elif route.public_with is not None:  # the token, or none when the option says so
+            operation["security"] = [{SECURITY: []}, {}]
         method: Literal["get", "post"] = "get" if route.method == "GET" else "post"
         paths.setdefault(route.path, {})[method] = operation
     responses = {
@@ -102,9 +104,11 @@ def document(routes: Sequence[Route] = ROUTES) -> dict[str, Any]:
             "title": "planaria master API",
             "version": API_PREFIX.strip("/"),
             "description": (
-                "What a job's agents and tools ask of its master: JSON bodies, JSON replies. "
+                "What a job's agents and tools ask of its master: JSON bodies, JSON replies "
+                "(the metrics: Prometheus' text format). "
                 "Every route needs the job's token (Authorization: Bearer <token>) except "
-                "the public probe /healthz. See docs/api.md."
+                "the public probe /healthz, and /metrics with master.metrics_public: true. "
+                "See docs/api.md."
             ),
         },
         "paths": paths,

@@ -21,6 +21,7 @@ from planaria.diagnosis.messages import (
     PreflightResult,
 )
 from planaria.master.job import Master
+from planaria.master.metrics import MEDIA_TYPE, Exposition, JobMetrics
 from planaria.protocol import (
     API_PREFIX,
     Ack,
@@ -49,7 +50,10 @@ class Context:
     """The longest a long poll (a heartbeat that waits, a pre-flight poll) holds a request."""
     join_hold: float
     """The longest a rendezvous join waits for its round to close before answering ``wait``."""
+    metrics: JobMetrics
 
+
+JSON = "application/json"
 
 Call = Callable[[Context, Any], "BaseModel | Awaitable[BaseModel]"]
 
@@ -70,6 +74,11 @@ class Route:
     the token; 400, 408 and 413 for a body)."""
     public: bool = False
     """Served without the token: only for probes that reveal nothing about the job."""
+    public_with: str | None = None
+    """The config option that, set to true, serves the route without the token."""
+    media_type: str = JSON
+    """The reply's media type. Other than JSON, the reply model is a string's (a
+    ``RootModel[str]``), served as it is."""
 
     @property
     def operation_id(self) -> str:
@@ -205,6 +214,17 @@ ROUTES: tuple[Route, ...] = (
         JobStatus,
         "The job's state, round, restarts, step and nodes",
         lambda c, _: c.master.status(),
+    ),
+    Route(
+        "GET",
+        "/metrics",
+        None,
+        Exposition,
+        "The job's metrics in Prometheus' text format (docs/metrics.md); without the token "
+        "only with master.metrics_public: true",
+        lambda c, _: c.metrics.exposition(),
+        public_with="master.metrics_public",
+        media_type=MEDIA_TYPE,
     ),
     Route(
         "GET",

@@ -403,6 +403,7 @@ async def _run(
             limits=limits,
             # A join held past the heartbeat timeout would count its own node silent.
             join_hold=min(5.0, config.master.heartbeat_timeout / 2),
+            public_with=["master.metrics_public"] if config.master.metrics_public else [],
         )
         wire = transport(config.master.host, config.master.tls)
         tls, pin = _tls(resolved, wire.tls, master, run_dir)  # the same again on a resume

@@ -1,6 +1,6 @@
 """The master's HTTP/JSON API (aiohttp): one handler per row of the route table
 (:data:`planaria.master.routes.ROUTES`). Every request needs the job's token, except the public
-probe ``GET /healthz``.
+probe ``GET /healthz`` and, with ``master.metrics_public: true``, ``GET /metrics``.
 
 Bad requests get 400 with what is wrong and where (bodies are read strictly, as their schema
 says); an unknown node 404; a missing or wrong token 401, and nothing changes; a body over
@@ -16,17 +16,18 @@ import inspect
 import math
 import ssl
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pydantic_core
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, RootModel, ValidationError
 
 from planaria.log import get_logger
 from planaria.master.job import Master
-from planaria.master.routes import ROUTES, Context, Route
+from planaria.master.metrics import JobMetrics
+from planaria.master.routes import JSON, ROUTES, Context, Route
 from planaria.master.state import (
     BadReport,
     Conflict,
@@ -261,6 +262,10 @@ def _handler(route: Route, context: Context) -> Handler:
                 f"{route.method} {route.path} answered {type(reply).__name__}, "
                 f"not its {route.reply.__name__}"
             )
+        if route.media_type != JSON:
+            assert isinstance(reply, RootModel)
+            text = str(reply.root).encode()
+            return web.Response(body=text, headers={"Content-Type": route.media_type})
         return _json(reply)
 
     return handle
@@ -279,11 +284,18 @@ def make_app(
     *,
     join_hold: float = 5.0,
     routes: Sequence[Route] = ROUTES,
+    public_with: Collection[str] = (),
 ) -> web.Application:
     """The API of ``master``, one handler per row of ``routes``. ``hold``: the longest a
-    heartbeat or pre-flight long poll holds a request; ``join_hold``: a rendezvous join."""
+    heartbeat or pre-flight long poll holds a request; ``join_hold``: a rendezvous join;
+    ``public_with``: the config options set to true that serve routes without the token
+    (:attr:`Route.public_with`)."""
     expected = f"Bearer {token}".encode()
-    public = {(r.method, r.path) for r in routes if r.public}
+    public = {
+        (r.method, r.path)
+        for r in routes
+        if r.public or (r.public_with is not None and r.public_with in public_with)
+    }
 
     @web.middleware
     async def timed(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -346,7 +358,7 @@ def make_app(
     app = web.Application(middlewares=[timed, guard], client_max_size=limits.max_request_bytes)
     app[LIMITS] = limits
     app[BOOK] = _Connections(limits)
-    context = Context(master=master, hold=hold, join_hold=join_hold)
+    context = Context(master=master, hold=hold, join_hold=join_hold, metrics=JobMetrics(master))
     for route in routes:
         app.router.add_route(route.method, route.path, _handler(route, context))
     return app

@@ -97,12 +97,13 @@ class Summary:
 
 
 class Timeline:
-    """Appends events to ``events.jsonl`` (0600) and hands each to ``observer``."""
+    """Appends events to ``events.jsonl`` (0600) and hands each to ``observer``, then to those
+    that :meth:`watch` it."""
 
     def __init__(self, path: Path, job: str, observer: Callable[[JobEvent], None]) -> None:
         self.path = path
         self.job = job
-        self.observer = observer
+        self.observers = [observer]
         self.events: list[JobEvent] = []
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         self._file = os.fdopen(fd, "a", buffering=1, encoding="utf-8")
@@ -120,8 +121,13 @@ class Timeline:
         event = JobEvent.of(payload, job=self.job, message=message, node=node, rank=rank, step=step)
         self.events.append(event)
         self._file.write(event.model_dump_json() + "\n")
-        self.observer(event)
+        for observer in self.observers:
+            observer(event)
         return event
+
+    def watch(self, observer: Callable[[JobEvent], None]) -> None:
+        """Hand every later event to ``observer`` too (the master's metrics)."""
+        self.observers.append(observer)
 
     def close(self) -> None:
         self._file.close()
