@@ -62,6 +62,17 @@ class Mark:
 
 
 @dataclass
+class Round:
+    """A round of the job: who trained in it (node -> node rank), from its start to the next."""
+
+    number: int
+    start: float
+    end: float
+    ranks: dict[str, int]
+    restore: str
+
+
+@dataclass
 class Course:
     job: str
     run_id: str
@@ -73,11 +84,21 @@ class Course:
     incidents: list[Incident] = field(default_factory=list)
     checkpoints: list[Sample] = field(default_factory=list)
     stragglers: list[Mark] = field(default_factory=list)
+    rounds: list[Round] = field(default_factory=list)
+    job_steps: list[list[Sample]] = field(default_factory=list)
+    """The job's step over time, one line between two faults: the nodes' samples, the
+    checkpoints, the steps before and after each fault."""
     outcome: Mark | None = None
     first_step: float | None = None
     """When the first step was done (the summary's start-up)."""
     events: list[JobEvent] = field(default_factory=list)
     """What happened, without the step samples."""
+
+    def nodes_seen(self) -> list[str]:
+        """Every node that trained in a round or reported a step, in order of appearance."""
+        seen = dict.fromkeys(n for r in self.rounds for n in sorted(r.ranks, key=r.ranks.get))
+        seen.update(dict.fromkeys(sorted(self.nodes)))
+        return list(seen)
 
 
 FAULTS = (EventKind.FAULT_DETECTED, EventKind.HANG_DETECTED)
@@ -118,11 +139,55 @@ def course(events: Sequence[JobEvent], summary: Summary | None = None) -> Course
             result.stragglers.append(Mark(t, f"{_where(event)} ({ratio:.1f}x)"))
         elif kind in (EventKind.JOB_FINISHED, EventKind.JOB_STOPPED):
             result.outcome = Mark(t, event.message)
+        elif kind is EventKind.RENDEZVOUS_COMPLETED:
+            if result.rounds:
+                result.rounds[-1].end = t
+            ranks = {str(n): int(r) for n, r in dict(event.data.get("ranks", {})).items()}
+            restore = str(event.data.get("restore", ""))
+            result.rounds.append(Round(int(event.data["round"]), t, result.end, ranks, restore))
+            _follow_up(result.incidents, event, t)
         else:
             _follow_up(result.incidents, event, t)
+    if result.rounds and result.outcome is not None:
+        result.rounds[-1].end = result.outcome.time
     if summary is not None:
         _steps_around(result, summary)
+    result.job_steps = _job_steps(result)
     return result
+
+
+def _job_steps(result: Course) -> list[list[Sample]]:
+    """One line a stretch between two faults' detections, never going back within it."""
+    cuts = [i.detected for i in result.incidents]
+    points = [s for lines in result.nodes.values() for line in lines for s in line]
+    points += result.checkpoints
+    points += [
+        Sample(i.recovered, i.step_after)
+        for i in result.incidents
+        if i.recovered is not None and i.step_after is not None
+    ]
+    # A stretch after a fault starts at its recovery: a checkpoint committed meanwhile (the
+    # last step, persisted at the fault) is no progress across the outage.
+    starts = [i.recovered if i.recovered is not None else i.detected for i in result.incidents]
+    stretches: list[list[Sample]] = [[] for _ in range(len(cuts) + 1)]
+    for point in points:
+        k = sum(1 for c in cuts if point.time >= c)
+        if k == 0 or point.time >= starts[k - 1]:
+            stretches[k].append(point)
+    for k, incident in enumerate(result.incidents):
+        if incident.step_before is not None:
+            stretches[k].append(Sample(incident.detected, incident.step_before))
+    lines = []
+    for stretch in stretches:
+        stretch.sort(key=lambda p: p.time)
+        top = -1
+        line = []
+        for point in stretch:
+            top = max(top, point.step)
+            line.append(Sample(point.time, top))
+        if line:
+            lines.append(line)
+    return lines
 
 
 def _sample(result: Course, rounds: dict[str, int], event: JobEvent, t: float) -> None:

@@ -6,10 +6,11 @@ reader may not reach); matplotlib draws a static SVG of a few tens of kilobytes 
 as paths (no font to fetch), and the same figure as a PNG for a chat or a ticket. It is an
 optional dependency (``pip install 'planaria[report]'``): the core does not need it to train.
 
-Two panels on one time axis: above, each node's steps (one line a round, so that a restart
-shows as the line starting again where it restored), the checkpoints committed, each fault's
-span from its detection to its recovery; below, one lane a kind of moment (fault, detection,
-restart, restore, recovery, checkpoint, straggler), labelled.
+Three panels on one time axis: the job's step (one line between two faults, so that a restore
+shows as the line starting again lower), the checkpoints committed and each fault's span from
+its detection to its recovery; then each node as a bar over the rounds it trained in (its rank
+and its sampled steps on it, a cross where it was lost); then one lane a kind of moment (fault,
+detection, restart, restore, recovery, checkpoint, straggler), labelled.
 """
 
 from __future__ import annotations
@@ -46,9 +47,13 @@ def figure(course: Course) -> Figure:
         from matplotlib.figure import Figure
     except ImportError as exc:
         raise MissingMatplotlib(str(exc)) from None
-    fig = Figure(figsize=(12, 7.5), layout="constrained")
-    steps, lanes = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
+    shown = len(course.nodes_seen()) if len(course.nodes_seen()) <= MANY_NODES else 0
+    fig = Figure(figsize=(12, 7.5 + 0.35 * shown), layout="constrained")
+    steps, nodes, lanes = fig.subplots(
+        3, 1, sharex=True, height_ratios=(3, 0.6 + 0.35 * max(shown, 1), 2.2)
+    )
     _steps(steps, course)
+    _nodes(nodes, course, shown > 0)
     _lanes(lanes, course)
     end = max(course.end, 1.0)
     lanes.set_xlim(-0.02 * end, end * 1.02)
@@ -59,21 +64,14 @@ def figure(course: Course) -> Figure:
 
 
 def _steps(ax: Any, course: Course) -> None:
-    many = len(course.nodes) > MANY_NODES
-    colours = [f"C{i}" for i in range(10)]
-    for i, (node, lines) in enumerate(sorted(course.nodes.items())):
-        colour = "C0" if many else colours[i % len(colours)]
-        for j, line in enumerate(lines):
-            ax.plot(
-                [s.time for s in line],
-                [s.step for s in line],
-                marker="o" if not many else None,
-                markersize=3,
-                linewidth=1.2 if many else 1.8,
-                color=colour,
-                alpha=0.5 if many else 0.9,
-                label=node if j == 0 and not many else None,
-            )
+    for k, line in enumerate(course.job_steps):
+        ax.plot(
+            [p.time for p in line],
+            [p.step for p in line],
+            color="#34495e",
+            linewidth=1.8,
+            label="step" if k == 0 else None,
+        )
     if course.checkpoints:
         ax.scatter(
             [c.time for c in course.checkpoints],
@@ -122,14 +120,70 @@ def _steps(ax: Any, course: Course) -> None:
     ax.set_ylim(bottom=0, top=top * 1.02)
     ax.set_ylabel("step")
     ax.grid(alpha=0.3)
-    if course.nodes or course.checkpoints:
+    if course.job_steps or course.checkpoints:
         ax.legend(loc="lower right", fontsize=8)
     else:
         ax.text(0.5, 0.5, "no step in the timeline", transform=ax.transAxes, ha="center")
 
 
+def _nodes(ax: Any, course: Course, each: bool) -> None:
+    """Each node a row: a bar a round it trained in, labelled with its rank; its step samples
+    as ticks (numbered while few); a cross where it was lost. Too many nodes: one row, the
+    number of nodes in each round."""
+    ax.set_ylabel("nodes")
+    ax.grid(axis="x", alpha=0.3)
+    if not each:
+        for r in course.rounds:
+            ax.broken_barh([(r.start, r.end - r.start)], (-0.3, 0.6), color="C0", alpha=0.5)
+            ax.text(r.start, 0, f" {len(r.ranks)} nodes", va="center", fontsize=7.5)
+        ax.set_yticks([0], ["all"])
+        return
+    names = course.nodes_seen()
+    row = {name: len(names) - 1 - i for i, name in enumerate(names)}
+    lost = {i.where: i.detected for i in course.incidents if i.kind == "node_lost"}
+    for i, name in enumerate(names):
+        colour = f"C{i % 10}"
+        for r in course.rounds:
+            end = min(r.end, lost.get(name, r.end))
+            if name not in r.ranks or end < r.start:
+                continue
+            ax.broken_barh(
+                [(r.start, end - r.start)],
+                (row[name] - 0.3, 0.6),
+                color=colour,
+                alpha=0.35,
+                linewidth=0,
+            )
+            ax.text(r.start, row[name], f" rank {r.ranks[name]}", va="center", fontsize=7)
+        samples = [s for line in course.nodes.get(name, []) for s in line]
+        ax.plot([s.time for s in samples], [row[name]] * len(samples), "|", color=colour, ms=9)
+        if len(samples) <= 40:
+            for s in samples:
+                ax.annotate(
+                    str(s.step),
+                    xy=(s.time, row[name]),
+                    xytext=(2, 5),
+                    textcoords="offset points",
+                    fontsize=6.5,
+                    color=colour,
+                )
+    for name, at in lost.items():
+        if name in row:
+            ax.plot([at], [row[name]], "X", color=FAULT, ms=9)
+            ax.annotate(
+                "lost",
+                xy=(at, row[name]),
+                xytext=(7, -3),
+                textcoords="offset points",
+                fontsize=7.5,
+                color=FAULT,
+            )
+    ax.set_yticks(list(row.values()), list(row.keys()))
+    ax.set_ylim(-0.6, len(names) - 0.4)
+
+
 def _top(course: Course) -> float:
-    steps = [s.step for lines in course.nodes.values() for line in lines for s in line]
+    steps = [s.step for line in course.job_steps for s in line]
     steps += [c.step for c in course.checkpoints]
     return float(max(steps, default=1)) * 1.1 + 1
 
