@@ -125,6 +125,8 @@ def ask(url: str, token: str, run_dir: Path | None) -> JobStatus:
         reason = getattr(exc, "reason", exc)
         if isinstance(reason, ssl.SSLError):
             raise StatusError(f"cannot verify the master at {url}: {reason}") from None
+        if isinstance(reason, TimeoutError):  # there, but busy or stopped: not gone
+            raise StatusError(f"the master at {url} did not answer within {TIMEOUT:g}s") from None
         raise MasterGone(f"no master answers at {url}: {reason}") from None
     try:
         return JobStatus.model_validate_json(body)

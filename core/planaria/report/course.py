@@ -96,7 +96,9 @@ class Course:
 
     def nodes_seen(self) -> list[str]:
         """Every node that trained in a round or reported a step, in order of appearance."""
-        seen = dict.fromkeys(n for r in self.rounds for n in sorted(r.ranks, key=r.ranks.get))
+        seen = dict.fromkeys(
+            n for r in self.rounds for n in sorted(r.ranks, key=r.ranks.__getitem__)
+        )
         seen.update(dict.fromkeys(sorted(self.nodes)))
         return list(seen)
 
@@ -135,7 +137,7 @@ def course(events: Sequence[JobEvent], summary: Summary | None = None) -> Course
             result.incidents.append(_incident(len(result.incidents) + 1, event, t, chaos))
             chaos = None
         elif kind is EventKind.STRAGGLER_DETECTED and not event.data.get("preflight"):
-            ratio = event.data.get("ratio", 0.0)
+            ratio = float(event.data.get("ratio", 0.0))
             result.stragglers.append(Mark(t, f"{_where(event)} ({ratio:.1f}x)"))
         elif kind in (EventKind.JOB_FINISHED, EventKind.JOB_STOPPED):
             result.outcome = Mark(t, event.message)
@@ -144,7 +146,8 @@ def course(events: Sequence[JobEvent], summary: Summary | None = None) -> Course
                 result.rounds[-1].end = t
             ranks = {str(n): int(r) for n, r in dict(event.data.get("ranks", {})).items()}
             restore = str(event.data.get("restore", ""))
-            result.rounds.append(Round(int(event.data["round"]), t, result.end, ranks, restore))
+            number = int(event.data.get("round", len(result.rounds) + 1))
+            result.rounds.append(Round(number, t, result.end, ranks, restore))
             _follow_up(result.incidents, event, t)
         else:
             _follow_up(result.incidents, event, t)
@@ -226,7 +229,7 @@ def _follow_up(incidents: list[Incident], event: JobEvent, t: float) -> None:
     if event.kind is EventKind.WORKERS_RESTARTED and data.get("cause") == "fault":
         for incident in incidents:
             if incident.restarted is None:
-                incident.restarted, incident.round = t, int(data["round"])
+                incident.restarted, incident.round = t, int(data.get("round", 0))
     elif event.kind is EventKind.NODE_REPLACED:
         for incident in incidents:
             if incident.where == event.node and incident.replaced_by is None:
