@@ -9,7 +9,6 @@ the timeline each node's last step.
 
 from __future__ import annotations
 
-import json
 import os
 import ssl
 import urllib.error
@@ -190,7 +189,3 @@ def _journalled(run_dir: Path) -> Any:
 
 def _recent(events: list[JobEvent], count: int) -> list[JobEvent]:
     return [e for e in events if e.kind is not EventKind.PROGRESS][-count:] if count else []
-
-
-def dumps(view_: JobView) -> str:
-    return json.dumps(view_.as_json(), indent=2)
