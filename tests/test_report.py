@@ -36,7 +36,10 @@ def faulty_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     where = tmp_path_factory.mktemp("faulty")
     mark = uuid.uuid4().hex
     try:
-        result = run(where, mark, str(job(where, chaos=CHAOS)))
+        # Room for more restarts than the two faults need: on a busy machine a round's
+        # rendezvous port may be taken before its store listens (EADDRINUSE), one more fault.
+        config = job(where, chaos=CHAOS, job={"max_restarts": 6})
+        result = run(where, mark, str(config))
     finally:
         deadline = time.monotonic() + 5
         while (left := marked_processes(mark)) and time.monotonic() < deadline:
@@ -66,37 +69,48 @@ def test_every_run_writes_a_report_telling_both_faults_and_their_recoveries(faul
 
     summary = json.loads((run_dir / "summary.json").read_text())
     faults = summary["faults"]
-    assert [f["kind"] for f in faults] == ["worker_failed", "node_lost"]
+    kinds = [f["kind"] for f in faults]
+    # The node kill may bring a peer's failure too (as in test_run): the kill's own faults
+    # are the first worker failure and the node loss.
+    assert kinds[0] == "worker_failed" and "node_lost" in kinds
     for fault in faults:
         # The faults table: the very figures `planaria run` printed.
-        recovery = f"{fault['recovered_at'] - fault['time']:.2f}s"
-        assert fault["detail"] in html and recovery in html and recovery in output
-        assert fault["restored_from"] in html
-    assert faults[0]["restored_from"].startswith("memory") and faults[1]["restored_from"] == (
-        "storage"
-    )
+        assert fault["detail"] in html and (fault["restored_from"] or "-") in html
+        if fault["recovered_at"] is not None:
+            recovery = f"{fault['recovered_at'] - fault['time']:.2f}s"
+            assert recovery in html and recovery in output
+    assert faults[0]["restored_from"].startswith("memory") and faults[0]["recovered_at"]
+    lost = faults[kinds.index("node_lost")]
+    assert lost["restored_from"] == "storage"
     goodput = re.search(r"goodput\s*│\s*([\d.]+%)", output)
     assert goodput and f"<td>{goodput.group(1)}</td>" in html
 
     # Each fault from the timeline: detected, restarted, restored, recovered.
     told = course(rundir.events(run_dir), rundir.summary(run_dir))
-    first, second = told.incidents
+    first, *_ = told.incidents
+    (second,) = [i for i in told.incidents if i.kind == "node_lost"]
     assert (first.kind, first.where) == ("worker_failed", f"rank 1 on {faults[0]['node']}")
-    assert (second.kind, second.where) == ("node_lost", faults[1]["node"])
+    assert second.where == lost["node"]
     assert second.injected is not None and second.injected <= second.detected
     assert second.replaced_by == "node-2"
-    for incident in told.incidents:
+    for incident in (first, second):
         assert incident.restarted is not None and incident.restored is not None
-        assert incident.recovered is not None
-        assert incident.detected <= incident.restarted <= incident.recovered
-        assert f"{incident.detected:.2f}s" in html and f"{incident.recovered:.2f}s" in html
+        assert incident.detected <= incident.restarted <= incident.restored
+        assert f"{incident.detected:.2f}s" in html
     assert first.restore is not None and first.restore.startswith("memory:")
     assert second.restore == "storage"
-    assert "recovered from worker_failed" in html and "recovered from node_lost" in html
+    # Both recovered: the node loss in its own round, or in a later one's (when a peer's
+    # failure in the round without it came too).
+    assert first.recovered is not None and f"{first.recovered:.2f}s" in html
+    recovered = [i.recovered for i in told.incidents[told.incidents.index(second) :]]
+    assert any(at is not None and f"{at:.2f}s" in html for at in recovered)
+    assert "recovered from worker_failed" in html
+    assert told.incidents[-1].recovered is not None
     # The nodes' steps were sampled, node-2 trained in the last round.
     assert {"node-0", "node-1", "node-2"} <= set(told.nodes)
     (survivor,) = {"node-0", "node-1"} - {second.where}
     assert told.rounds[-1].ranks == {survivor: 0, "node-2": 1}
+    assert told.outcome is not None and "succeeded" in told.outcome.label
 
 
 @pytest.mark.slow  # the job they share takes ~30 s
