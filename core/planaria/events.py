@@ -57,6 +57,7 @@ class EventKind(str, Enum):
     MASTER_RESUMED = "master_resumed"
     NODE_REATTACHED = "node_reattached"
     NODE_FENCED = "node_fenced"
+    PROGRESS = "progress"
 
 
 class StopCause(str, Enum):
@@ -394,6 +395,18 @@ class PersisterRestarted(Payload):
 
     KIND = EventKind.PERSISTER_RESTARTED
     error: str
+
+
+# -- progress -----------------------------------------------------------------------------
+
+
+class Progress(Payload):
+    """A node's step (event ``step``), sampled from its heartbeats: at its first step in a
+    round, at its end, and every 5 s between (less often beyond 64 nodes). What ``planaria
+    report`` plots the job's course by."""
+
+    KIND = EventKind.PROGRESS
+    round: int
 
 
 PAYLOADS: dict[EventKind, type[Payload]] = {m.KIND: m for m in Payload.__subclasses__()}

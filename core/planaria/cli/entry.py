@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import sys
 
-from planaria.cli import api_schema, check, config_cmd, plugins, run, submit  # noqa: F401 - registers
+from planaria.cli import (  # noqa: F401 - registers
+    api_schema,
+    check,
+    config_cmd,
+    plugins,
+    report_cmd,
+    run,
+    status_cmd,
+    submit,
+)
 from planaria.cli.app import EXIT_USAGE, app
 from planaria.cli.output import error
 from planaria.errors import PlanariaError

@@ -44,7 +44,14 @@ from planaria.master.job import Master
 from planaria.master.journal import JournalError
 from planaria.master.runner import RunHooks, resume_job, run_issues, run_job
 from planaria.master.state import JobState
-from planaria.master.timeline import NO_STEPS, Summary
+from planaria.master.timeline import (
+    FAULT_COLUMNS,
+    STRAGGLER_COLUMNS,
+    Summary,
+    fault_rows,
+    straggler_rows,
+    summary_rows,
+)
 from planaria.plugin.manager import PluginManager
 from planaria.protocol import FINGERPRINT_ENV, MASTER_ENV, TOKEN_ENV, JobSpec
 
@@ -100,6 +107,8 @@ def _status_table(master: Master) -> Table:
 
 
 def _print_event(event: JobEvent) -> None:
+    if event.kind is EventKind.PROGRESS:  # samples for the report, not news
+        return
     style = EVENT_STYLE.get(event.kind)
     text = f"{log.timestamp(event.time)} {event.kind.value:<22} {event.message}"
     out.print(f"[{style}]{text}[/]" if style else text, markup=bool(style), highlight=False)
@@ -125,65 +134,22 @@ def print_summary(summary: Summary, run_dir: Path) -> None:
     table = Table(title="summary", show_header=False)
     table.add_column("what")
     table.add_column("value")
-    table.add_row("result", f"{summary.state}: {summary.reason}")
-    steps = str(summary.steps) if summary.stepped else f"unknown: {NO_STEPS}"
-    table.add_row("steps done", steps)
-    table.add_row("wall time", f"{summary.wall_s:.2f}s")
-    if summary.startup_s is not None:
-        table.add_row("start-up (to first step)", f"{summary.startup_s:.2f}s")
-    table.add_row("restarts", str(summary.restarts))
-    table.add_row("downtime (recovery)", f"{summary.downtime_s:.2f}s")
-    goodput = summary.goodput
-    table.add_row("goodput", "unknown: no step reported" if goodput is None else f"{goodput:.1%}")
-    if summary.checkpoints:
-        table.add_row(
-            "checkpoints committed", f"{summary.checkpoints} (last: step {summary.last_checkpoint})"
-        )
-    # Text, not markup: these carry file names and error messages.
-    if summary.unpersisted:
-        table.add_row(Text("not persisted", "bold red"), Text(summary.unpersisted))
-    if summary.persister_restarts:
-        table.add_row("persister restarts", str(summary.persister_restarts))
-    if summary.skipped_checkpoints:
-        table.add_row("skipped checkpoints", Text("\n".join(summary.skipped_checkpoints)))
-    if summary.started_from_scratch:
-        table.add_row(Text("started from scratch", "bold red"), Text(summary.started_from_scratch))
+    # Text, not markup: values carry file names and error messages.
+    for row in summary_rows(summary):
+        table.add_row(Text(row.what, "bold red" if row.alarm else ""), Text(row.value))
     _print_table(table)
-    if summary.faults:
-        faults = Table(title="faults")
-        for column in (
-            "fault",
-            "class",
-            "detail",
-            "action",
-            "restored from",
-            "recovery",
-            "steps lost",
-        ):
-            faults.add_column(column, overflow="fold")
-        for fault in summary.faults:
-            recovery = "-" if fault.recovery_s is None else f"{fault.recovery_s:.2f}s"
-            lost = "-" if fault.steps_lost is None else str(fault.steps_lost)
-            verdict = f"{fault.fault_class}: {fault.reason}" if fault.fault_class else "-"
-            restored = fault.restored_from or "-"
-            faults.add_row(
-                fault.kind, verdict, fault.detail, fault.action, restored, recovery, lost
-            )
-        _print_table(faults)
-    if summary.stragglers:
-        slow = Table(title="stragglers")
-        for column in ("rank", "node", "measure", "per step", "others' median", "ratio"):
-            slow.add_column(column)
-        for s in summary.stragglers:
-            slow.add_row(
-                str(s.rank),
-                s.node,
-                s.metric,
-                f"{s.seconds * 1000:.1f} ms",
-                f"{s.others_s * 1000:.1f} ms",
-                f"{s.ratio:.1f}x",
-            )
-        _print_table(slow)
+    for title, columns, rows in (
+        ("faults", FAULT_COLUMNS, fault_rows(summary)),
+        ("stragglers", STRAGGLER_COLUMNS, straggler_rows(summary)),
+    ):
+        if not rows:
+            continue
+        part = Table(title=title)
+        for column in columns:
+            part.add_column(column, overflow="fold")
+        for cells in rows:
+            part.add_row(*(Text(c) for c in cells))
+        _print_table(part)
     if summary.preflight is not None:
         print_preflight(summary.preflight)
     out.print(f"timeline: {run_dir / 'events.jsonl'}\nlogs: {run_dir / 'logs'}")
@@ -360,8 +326,22 @@ def run_command(
         resolved, manager = _prepare(file, set_ or [], chaos or [], command, flags)
         summary, run_dir = asyncio.run(run_job(resolved, manager, hooks=HOOKS))
     print_summary(summary, run_dir)
+    _write_report(run_dir)
     if summary.state != JobState.SUCCEEDED.value:
         raise SystemExit(EXIT_USAGE if stopped_on_start(summary) else 1)
+
+
+def _write_report(run_dir: Path) -> None:
+    """Every run gets its report page; one that cannot be made is a warning, never another
+    exit code for the job."""
+    try:
+        from planaria.report import write_report
+
+        path = write_report(run_dir)
+    except Exception as exc:
+        warning(f"no report written: {exc}")
+        return
+    out.print(f"report: {path}", markup=False, highlight=False)
 
 
 @app.command("agent", hidden=True)

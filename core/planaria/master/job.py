@@ -63,6 +63,13 @@ from planaria.scheduler.api import LaunchSpec, NodeEvent, NodeHandle, NodeState,
 
 log = get_logger("master")
 
+PROGRESS_EVERY = 5.0
+"""Seconds between two ``progress`` events of a node (plus one at each round's first step and
+one at the node's end): enough to plot a job's course, for one comparison a heartbeat."""
+PROGRESS_NODES = 64
+"""Beyond this many nodes the interval grows with their number: the whole job writes at most
+about ``PROGRESS_NODES / PROGRESS_EVERY`` of them a second."""
+
 
 class Master:
     def __init__(
@@ -375,6 +382,7 @@ class Master:
         node = self.nodes[node_id]
         node.phase = NodePhase.RUNNING
         node.step = -1
+        node.sampled = float("-inf")  # its first step in the round is worth a sample
         return JoinReply(
             state="ready",
             info=self.rounds.world[node_id],
@@ -388,6 +396,7 @@ class Master:
         if beat.progress:
             node.step = max(p.step for p in beat.progress)
             self.diagnosis.progress(node, beat)
+            self._sample(node, beat.round)
         if beat.first_step_time is not None and beat.round == self.rounds.round:
             self._first_step(node, beat)
         if not beat.wait:  # a progress update: the node's long poll collects actions
@@ -397,6 +406,18 @@ class Master:
         if action is None and self.state.terminal:
             action = Action(kind="exit", reason=self.reason)
         return action or Action(kind="none", round=self.rounds.round)
+
+    def _sample(self, node: Node, round_: int, *, last: bool = False) -> None:
+        """A ``progress`` event of ``node``'s step, if its last is old enough (or ``last``)."""
+        now = time.monotonic()
+        every = PROGRESS_EVERY * max(1.0, len(self.nodes) / PROGRESS_NODES)
+        if (now - node.sampled < every and not last) or self.state.terminal or node.step < 0:
+            return
+        node.sampled = now
+        message = f"{node.node_id} at step {node.step}"
+        self.timeline.emit(
+            events.Progress(round=round_), message, node=node.node_id, step=node.step
+        )
 
     def _first_step(self, node: Node, beat: Heartbeat) -> None:
         info = self.rounds.world.get(node.node_id)
@@ -418,6 +439,7 @@ class Master:
         current = report.round == self.rounds.round and self.state is JobState.RUNNING
         if report.succeeded:
             if current:
+                self._sample(node, report.round, last=True)
                 node.phase = NodePhase.SUCCEEDED
                 if all(self.nodes[n].phase is NodePhase.SUCCEEDED for n in self.rounds.world):
                     last = max((n.step for n in self.nodes.values()), default=-1)

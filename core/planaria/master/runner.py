@@ -35,7 +35,7 @@ from planaria.master.job import Master
 from planaria.master.journal import Journal, JournalError, Journalled
 from planaria.master.server import ServerLimits, make_app, serve
 from planaria.master.state import JobSettings, JobState
-from planaria.master.timeline import Summary
+from planaria.master.timeline import Summary, write_summary
 from planaria.master.tls import job_certificate, server_context
 from planaria.master.transport import transport
 from planaria.plugin.manager import PluginManager
@@ -409,11 +409,12 @@ async def _run(
         tls, pin = _tls(resolved, wire.tls, master, run_dir)  # the same again on a resume
         server, port = await _serve(resolved, app_, master, run_dir, port, tls)
         assert master.journal is not None
-        master.journal.set_meta("server", {"host": config.master.host, "port": port})
-        if wire.warning:
-            hooks.on_warning(wire.warning)
         advertise = config.master.advertise or config.master.host
         url = f"{wire.scheme}://{advertise}:{port}"
+        # Where `planaria status` asks (and a resumed master listens again).
+        master.journal.set_meta("server", {"host": config.master.host, "port": port, "url": url})
+        if wire.warning:
+            hooks.on_warning(wire.warning)
         agents = LaunchSpec(
             job=master.spec.job,
             command=(sys.executable, "-m", "planaria", "agent"),
@@ -431,7 +432,9 @@ async def _run(
             if journalled is not None:
                 await master.adopt(agents, journalled)
             job = asyncio.ensure_future(supervise(master, None if journalled else agents))
-            return await hooks.follow(master, job)
+            summary = await hooks.follow(master, job)
+            write_summary(run_dir, summary)
+            return summary
         finally:
             await server.cleanup()
             master.timeline.close()

@@ -142,6 +142,8 @@ class Node:
     wake: Wake = field(default_factory=Wake)
     """Set to end the node's long poll early: an action for it, or news for the pre-flight."""
     step: int = -1
+    sampled: float = float("-inf")
+    """When the master last put the node's step in the timeline (monotonic clock)."""
     memory: list[MemoryHolding] = field(default_factory=list)
     attached: bool = True
     """False from a restarted master's start until the node's agent re-attaches (tells what

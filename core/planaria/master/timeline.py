@@ -1,4 +1,8 @@
-"""The job's record: every event as one JSON line, each fault with its recovery, the summary."""
+"""The job's record: every event as one JSON line, each fault with its recovery, the summary.
+
+The summary is also kept in the run directory (``summary.json``, :func:`write_summary`), so
+that ``planaria report`` shows the very figures ``planaria run`` printed.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pydantic import TypeAdapter, ValidationError
 
 from planaria.diagnosis.preflight import PreflightReport
 from planaria.diagnosis.stragglers import Straggler
@@ -94,6 +100,103 @@ class Summary:
             return 0.0
         lost = (self.startup_s or 0.0) + self.downtime_s
         return max(0.0, min(1.0, (self.wall_s - lost) / self.wall_s))
+
+
+@dataclass(frozen=True)
+class Row:
+    """A line of the summary as ``planaria run`` prints it (and ``planaria report`` shows it)."""
+
+    what: str
+    value: str
+    alarm: bool = False
+
+
+def summary_rows(summary: Summary) -> list[Row]:
+    rows = [Row("result", f"{summary.state}: {summary.reason}")]
+    rows.append(
+        Row("steps done", str(summary.steps) if summary.stepped else f"unknown: {NO_STEPS}")
+    )
+    rows.append(Row("wall time", f"{summary.wall_s:.2f}s"))
+    if summary.startup_s is not None:
+        rows.append(Row("start-up (to first step)", f"{summary.startup_s:.2f}s"))
+    rows.append(Row("restarts", str(summary.restarts)))
+    rows.append(Row("downtime (recovery)", f"{summary.downtime_s:.2f}s"))
+    goodput = summary.goodput
+    rows.append(
+        Row("goodput", "unknown: no step reported" if goodput is None else f"{goodput:.1%}")
+    )
+    if summary.checkpoints:
+        last = f"{summary.checkpoints} (last: step {summary.last_checkpoint})"
+        rows.append(Row("checkpoints committed", last))
+    if summary.unpersisted:
+        rows.append(Row("not persisted", summary.unpersisted, alarm=True))
+    if summary.persister_restarts:
+        rows.append(Row("persister restarts", str(summary.persister_restarts)))
+    if summary.skipped_checkpoints:
+        rows.append(Row("skipped checkpoints", "\n".join(summary.skipped_checkpoints)))
+    if summary.started_from_scratch:
+        rows.append(Row("started from scratch", summary.started_from_scratch, alarm=True))
+    return rows
+
+
+FAULT_COLUMNS = ("fault", "class", "detail", "action", "restored from", "recovery", "steps lost")
+
+
+def fault_rows(summary: Summary) -> list[tuple[str, ...]]:
+    """One row of :data:`FAULT_COLUMNS` a fault."""
+    rows: list[tuple[str, ...]] = []
+    for fault in summary.faults:
+        recovery = "-" if fault.recovery_s is None else f"{fault.recovery_s:.2f}s"
+        lost = "-" if fault.steps_lost is None else str(fault.steps_lost)
+        verdict = f"{fault.fault_class}: {fault.reason}" if fault.fault_class else "-"
+        restored = fault.restored_from or "-"
+        rows.append((fault.kind, verdict, fault.detail, fault.action, restored, recovery, lost))
+    return rows
+
+
+STRAGGLER_COLUMNS = ("rank", "node", "measure", "per step", "others' median", "ratio")
+
+
+def straggler_rows(summary: Summary) -> list[tuple[str, ...]]:
+    return [
+        (
+            str(s.rank),
+            s.node,
+            s.metric,
+            f"{s.seconds * 1000:.1f} ms",
+            f"{s.others_s * 1000:.1f} ms",
+            f"{s.ratio:.1f}x",
+        )
+        for s in summary.stragglers
+    ]
+
+
+SUMMARY_FILE = "summary.json"
+
+
+def write_summary(run_dir: Path, summary: Summary) -> Path:
+    """``summary.json`` in ``run_dir`` (0600, like the rest of the run's record)."""
+    path = run_dir / SUMMARY_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(TypeAdapter(Summary).dump_json(summary, indent=1))
+    return path
+
+
+def read_summary(run_dir: Path) -> Summary | None:
+    """The summary a run wrote; None when it wrote none (its master did not see it end).
+    Raises :class:`ValueError` naming the file when it is not one."""
+    path = run_dir / SUMMARY_FILE
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        return TypeAdapter(Summary).validate_json(data)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(map(str, first["loc"])) or "<top>"
+        raise ValueError(f"{path} is not a job summary ({where}: {first['msg']})") from None
 
 
 class Timeline:

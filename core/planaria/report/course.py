@@ -1,0 +1,259 @@
+"""A job's course, told from its timeline: each node's steps over time, each fault with its
+detection, restart, restore and recovery, the checkpoints committed and the stragglers.
+
+Pure: events in, a :class:`Course` out (times in seconds from the job's start), so that the
+picture (:mod:`planaria.report.plot`) and the page (:mod:`planaria.report.page`) only draw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from planaria.events import EventKind, JobEvent
+from planaria.master.timeline import Summary
+
+
+@dataclass
+class Sample:
+    time: float
+    step: int
+
+
+@dataclass
+class Incident:
+    """One fault and what became of it, as the timeline tells it."""
+
+    number: int
+    kind: str
+    """``worker_failed``, ``node_lost`` or ``hang``."""
+    where: str
+    """``rank 1 on node-0``, ``node-1``."""
+    detected: float
+    message: str
+    injected: float | None = None
+    """When a fault injected on purpose (``chaos``) that this one follows was fired."""
+    fault_class: str | None = None
+    round: int | None = None
+    """The round the restart opened."""
+    restarted: float | None = None
+    action: str = ""
+    """What was done (from the summary)."""
+    replaced_by: str | None = None
+    restore: str | None = None
+    """``memory:<step>`` or ``storage``."""
+    restored: float | None = None
+    """When the round that restores closed."""
+    recovered: float | None = None
+    recovery_s: float | None = None
+    steps_lost: int | None = None
+    step_before: int | None = None
+    """The last step done before the fault (from the summary)."""
+    step_after: int | None = None
+    """The first step done after it (from the summary)."""
+
+
+@dataclass
+class Mark:
+    """Something else worth a mark on the time axis (a straggler, the job's end)."""
+
+    time: float
+    label: str
+
+
+@dataclass
+class Round:
+    """A round of the job: who trained in it (node -> node rank), from its start to the next."""
+
+    number: int
+    start: float
+    end: float
+    ranks: dict[str, int]
+    restore: str
+
+
+@dataclass
+class Course:
+    job: str
+    run_id: str
+    start: float
+    """The job's start, epoch seconds; every other time counts from it."""
+    end: float
+    nodes: dict[str, list[list[Sample]]] = field(default_factory=dict)
+    """Per node, its step samples, one list a round (a restart starts a new line)."""
+    incidents: list[Incident] = field(default_factory=list)
+    checkpoints: list[Sample] = field(default_factory=list)
+    stragglers: list[Mark] = field(default_factory=list)
+    rounds: list[Round] = field(default_factory=list)
+    job_steps: list[list[Sample]] = field(default_factory=list)
+    """The job's step over time, one line between two faults: the nodes' samples, the
+    checkpoints, the steps before and after each fault."""
+    outcome: Mark | None = None
+    first_step: float | None = None
+    """When the first step was done (the summary's start-up)."""
+    events: list[JobEvent] = field(default_factory=list)
+    """What happened, without the step samples."""
+
+    def nodes_seen(self) -> list[str]:
+        """Every node that trained in a round or reported a step, in order of appearance."""
+        seen = dict.fromkeys(
+            n for r in self.rounds for n in sorted(r.ranks, key=r.ranks.__getitem__)
+        )
+        seen.update(dict.fromkeys(sorted(self.nodes)))
+        return list(seen)
+
+
+FAULTS = (EventKind.FAULT_DETECTED, EventKind.HANG_DETECTED)
+
+
+def course(events: Sequence[JobEvent], summary: Summary | None = None) -> Course:
+    """The course of the job of ``events``; ``summary`` adds the steps around each fault."""
+    start = next((e.time for e in events if e.kind is EventKind.JOB_STARTED), None)
+    if start is None:
+        start = events[0].time if events else 0.0
+    run_id = next(
+        (str(e.data.get("run_id")) for e in events if e.kind is EventKind.JOB_STARTED), ""
+    )
+    result = Course(
+        job=events[0].job if events else "",
+        run_id=run_id,
+        start=start,
+        end=(events[-1].time - start) if events else 0.0,
+    )
+    rounds: dict[str, int] = {}
+    chaos: float | None = None
+    for event in events:
+        t = event.time - start
+        kind = event.kind
+        if kind is EventKind.PROGRESS:
+            _sample(result, rounds, event, t)
+            continue
+        result.events.append(event)
+        if kind is EventKind.CHECKPOINT_COMMITTED and event.step is not None:
+            result.checkpoints.append(Sample(t, event.step))
+        elif kind is EventKind.FAULT_DETECTED and event.data.get("fault") == "chaos":
+            chaos = t
+        elif kind in FAULTS and not event.data.get("secondary"):
+            result.incidents.append(_incident(len(result.incidents) + 1, event, t, chaos))
+            chaos = None
+        elif kind is EventKind.STRAGGLER_DETECTED and not event.data.get("preflight"):
+            ratio = float(event.data.get("ratio", 0.0))
+            result.stragglers.append(Mark(t, f"{_where(event)} ({ratio:.1f}x)"))
+        elif kind in (EventKind.JOB_FINISHED, EventKind.JOB_STOPPED):
+            result.outcome = Mark(t, event.message)
+        elif kind is EventKind.RENDEZVOUS_COMPLETED:
+            if result.rounds:
+                result.rounds[-1].end = t
+            ranks = {str(n): int(r) for n, r in dict(event.data.get("ranks", {})).items()}
+            restore = str(event.data.get("restore", ""))
+            number = int(event.data.get("round", len(result.rounds) + 1))
+            result.rounds.append(Round(number, t, result.end, ranks, restore))
+            _follow_up(result.incidents, event, t)
+        else:
+            _follow_up(result.incidents, event, t)
+    if result.rounds and result.outcome is not None:
+        result.rounds[-1].end = result.outcome.time
+    if summary is not None:
+        _steps_around(result, summary)
+    result.job_steps = _job_steps(result)
+    return result
+
+
+def _job_steps(result: Course) -> list[list[Sample]]:
+    """One line a stretch between two faults' detections, never going back within it."""
+    cuts = [i.detected for i in result.incidents]
+    points = [s for lines in result.nodes.values() for line in lines for s in line]
+    points += result.checkpoints
+    points += [
+        Sample(i.recovered, i.step_after)
+        for i in result.incidents
+        if i.recovered is not None and i.step_after is not None
+    ]
+    # A stretch after a fault starts at its recovery: a checkpoint committed meanwhile (the
+    # last step, persisted at the fault) is no progress across the outage.
+    starts = [i.recovered if i.recovered is not None else i.detected for i in result.incidents]
+    stretches: list[list[Sample]] = [[] for _ in range(len(cuts) + 1)]
+    for point in points:
+        k = sum(1 for c in cuts if point.time >= c)
+        if k == 0 or point.time >= starts[k - 1]:
+            stretches[k].append(point)
+    for k, incident in enumerate(result.incidents):
+        if incident.step_before is not None:
+            stretches[k].append(Sample(incident.detected, incident.step_before))
+    lines = []
+    for stretch in stretches:
+        stretch.sort(key=lambda p: p.time)
+        top = -1
+        line = []
+        for point in stretch:
+            top = max(top, point.step)
+            line.append(Sample(point.time, top))
+        if line:
+            lines.append(line)
+    return lines
+
+
+def _sample(result: Course, rounds: dict[str, int], event: JobEvent, t: float) -> None:
+    if event.node is None or event.step is None:
+        return
+    round_ = int(event.data.get("round", 0))
+    lines = result.nodes.setdefault(event.node, [])
+    if not lines or rounds.get(event.node) != round_:
+        lines.append([])
+        rounds[event.node] = round_
+    lines[-1].append(Sample(t, event.step))
+
+
+def _where(event: JobEvent) -> str:
+    if event.rank is not None:
+        return f"rank {event.rank} on {event.node}"
+    return event.node or "-"
+
+
+def _incident(number: int, event: JobEvent, t: float, chaos: float | None) -> Incident:
+    fault = str(event.data.get("fault", event.kind.value))
+    return Incident(
+        number=number,
+        kind=fault,
+        where=_where(event),
+        detected=t,
+        message=event.message,
+        injected=chaos,
+        fault_class=event.data.get("fault_class"),
+    )
+
+
+def _follow_up(incidents: list[Incident], event: JobEvent, t: float) -> None:
+    """What ``event`` does for the faults before it: their restart, node, restore, recovery."""
+    data = event.data
+    if event.kind is EventKind.WORKERS_RESTARTED and data.get("cause") == "fault":
+        for incident in incidents:
+            if incident.restarted is None:
+                incident.restarted, incident.round = t, int(data.get("round", 0))
+    elif event.kind is EventKind.NODE_REPLACED:
+        for incident in incidents:
+            if incident.where == event.node and incident.replaced_by is None:
+                incident.replaced_by = str(data.get("replacement"))
+    elif event.kind is EventKind.RENDEZVOUS_COMPLETED:
+        for incident in incidents:
+            if incident.round == data.get("round") and incident.restored is None:
+                incident.restored, incident.restore = t, str(data.get("restore"))
+    elif event.kind is EventKind.RECOVERED:
+        for incident in incidents:
+            if incident.round == data.get("round") and incident.recovered is None:
+                incident.recovered = t
+                incident.recovery_s = data.get("recovery_s")
+                incident.steps_lost = data.get("steps_lost")
+
+
+def _steps_around(result: Course, summary: Summary) -> None:
+    """The summary's steps before and after each fault, matched by the fault's round."""
+    result.first_step = summary.startup_s
+    by_round = {f.restart_round: f for f in summary.faults if f.restart_round is not None}
+    for incident in result.incidents:
+        fault = None if incident.round is None else by_round.get(incident.round)
+        if fault is None:
+            continue
+        incident.action = fault.action
+        incident.step_before = fault.last_step if fault.last_step >= 0 else None
+        incident.step_after = fault.first_step_after

@@ -1,0 +1,268 @@
+"""The picture of a job's course, drawn with matplotlib.
+
+Why matplotlib, as SVG inlined in the page: the page must open anywhere, offline, years later.
+A JavaScript charting bundle would be hundreds of kilobytes in every report (or a CDN the
+reader may not reach); matplotlib draws a static SVG of a few tens of kilobytes with its text
+as paths (no font to fetch), and the same figure as a PNG for a chat or a ticket. It is an
+optional dependency (``pip install 'planaria[report]'``): the core does not need it to train.
+
+Three panels on one time axis: the job's step (one line between two faults, so that a restore
+shows as the line starting again lower), the checkpoints committed and each fault's span from
+its detection to its recovery; then each node as a bar over the rounds it trained in (its rank
+and its sampled steps on it, a cross where it was lost); then one lane a kind of moment (fault,
+detection, restart, restore, recovery, checkpoint, straggler), labelled.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from planaria.report.course import Course
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+LANES = ("fault", "detected", "restart", "restore", "recovered", "checkpoint", "straggler")
+FAULT = "#c0392b"
+DETECTED = "#e67e22"
+RESTART = "#8e44ad"
+RESTORE = "#2471a3"
+RECOVERED = "#1e8449"
+CHECKPOINT = "#7f8c8d"
+STRAGGLER = "#b7950b"
+MANY_NODES = 12
+"""Beyond this many nodes their lines share one colour and the legend names none."""
+
+
+class MissingMatplotlib(ImportError):
+    pass
+
+
+def figure(course: Course) -> Figure:
+    """The job's course as a matplotlib figure (not attached to any pyplot state)."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise MissingMatplotlib(str(exc)) from None
+    shown = len(course.nodes_seen()) if len(course.nodes_seen()) <= MANY_NODES else 0
+    fig = Figure(figsize=(12, 7.5 + 0.35 * shown), layout="constrained")
+    steps, nodes, lanes = fig.subplots(
+        3, 1, sharex=True, height_ratios=(3, 0.6 + 0.35 * max(shown, 1), 2.2)
+    )
+    _steps(steps, course)
+    _nodes(nodes, course, shown > 0)
+    _lanes(lanes, course)
+    end = max(course.end, 1.0)
+    lanes.set_xlim(-0.02 * end, end * 1.02)
+    lanes.set_xlabel("seconds since the job started")
+    title = f"{course.job} ({course.run_id})" if course.run_id else course.job
+    fig.suptitle(title, fontsize=12)
+    return fig
+
+
+def _steps(ax: Any, course: Course) -> None:
+    for k, line in enumerate(course.job_steps):
+        ax.plot(
+            [p.time for p in line],
+            [p.step for p in line],
+            color="#34495e",
+            linewidth=1.8,
+            label="step" if k == 0 else None,
+        )
+    if course.checkpoints:
+        ax.scatter(
+            [c.time for c in course.checkpoints],
+            [c.step for c in course.checkpoints],
+            marker="^",
+            s=22,
+            color=CHECKPOINT,
+            zorder=3,
+            label="checkpoint committed",
+        )
+    for incident in course.incidents:
+        end = incident.recovered if incident.recovered is not None else course.end
+        ax.axvspan(incident.detected, end, color=FAULT, alpha=0.10, linewidth=0)
+        if incident.injected is not None:
+            ax.axvline(incident.injected, color=FAULT, linestyle=":", linewidth=1.2)
+        ax.axvline(incident.detected, color=FAULT, linewidth=1.4)
+        if incident.recovered is not None:
+            ax.axvline(incident.recovered, color=RECOVERED, linewidth=1.4)
+        if incident.step_before is not None:
+            ax.plot([incident.detected], [incident.step_before], "x", color=FAULT, markersize=9)
+        if incident.step_after is not None and incident.recovered is not None:
+            ax.plot([incident.recovered], [incident.step_after], "o", color=RECOVERED, ms=6)
+    if course.first_step is not None:
+        ax.axvspan(0, course.first_step, color=CHECKPOINT, alpha=0.08, linewidth=0)
+        ax.annotate(
+            "start-up",
+            xy=(course.first_step / 2, 0),
+            xytext=(0, 4),
+            textcoords="offset points",
+            ha="center",
+            fontsize=8,
+            color=CHECKPOINT,
+        )
+    top = _top(course)
+    for k, incident in enumerate(course.incidents):
+        ax.annotate(
+            _headline(incident),
+            xy=(incident.detected, top * (0.97 - 0.16 * (k % 3))),
+            xytext=(4, 0),
+            textcoords="offset points",
+            fontsize=8.5,
+            va="top",
+            color=FAULT,
+            bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": FAULT, "alpha": 0.9},
+        )
+    ax.set_ylim(bottom=0, top=top * 1.02)
+    ax.set_ylabel("step")
+    ax.grid(alpha=0.3)
+    if course.job_steps or course.checkpoints:
+        ax.legend(loc="lower right", fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no step in the timeline", transform=ax.transAxes, ha="center")
+
+
+def _nodes(ax: Any, course: Course, each: bool) -> None:
+    """Each node a row: a bar a round it trained in, labelled with its rank; its step samples
+    as ticks (numbered while few); a cross where it was lost. Too many nodes: one row, the
+    number of nodes in each round."""
+    ax.set_ylabel("nodes")
+    ax.grid(axis="x", alpha=0.3)
+    if not each:
+        for r in course.rounds:
+            ax.broken_barh([(r.start, r.end - r.start)], (-0.3, 0.6), color="C0", alpha=0.5)
+            ax.text(r.start, 0, f" {len(r.ranks)} nodes", va="center", fontsize=7.5)
+        ax.set_yticks([0], ["all"])
+        return
+    names = course.nodes_seen()
+    row = {name: len(names) - 1 - i for i, name in enumerate(names)}
+    lost = {i.where: i.detected for i in course.incidents if i.kind == "node_lost"}
+    for i, name in enumerate(names):
+        colour = f"C{i % 10}"
+        for r in course.rounds:
+            end = min(r.end, lost.get(name, r.end))
+            if name not in r.ranks or end < r.start:
+                continue
+            ax.broken_barh(
+                [(r.start, end - r.start)],
+                (row[name] - 0.3, 0.6),
+                color=colour,
+                alpha=0.35,
+                linewidth=0,
+            )
+            ax.text(r.start, row[name], f" rank {r.ranks[name]}", va="center", fontsize=7)
+        samples = [s for line in course.nodes.get(name, []) for s in line]
+        ax.plot([s.time for s in samples], [row[name]] * len(samples), "|", color=colour, ms=9)
+        if len(samples) <= 40:
+            for s in samples:
+                ax.annotate(
+                    str(s.step),
+                    xy=(s.time, row[name]),
+                    xytext=(2, 5),
+                    textcoords="offset points",
+                    fontsize=6.5,
+                    color=colour,
+                )
+    for name, at in lost.items():
+        if name in row:
+            ax.plot([at], [row[name]], "X", color=FAULT, ms=9)
+            ax.annotate(
+                "lost",
+                xy=(at, row[name]),
+                xytext=(7, -3),
+                textcoords="offset points",
+                fontsize=7.5,
+                color=FAULT,
+            )
+    ax.set_yticks(list(row.values()), list(row.keys()))
+    ax.set_ylim(-0.6, len(names) - 0.4)
+
+
+def _top(course: Course) -> float:
+    steps = [s.step for line in course.job_steps for s in line]
+    steps += [c.step for c in course.checkpoints]
+    return float(max(steps, default=1)) * 1.1 + 1
+
+
+def _headline(incident: Any) -> str:
+    lines = [f"{incident.number}: {incident.kind} ({incident.where})"]
+    if incident.restore:
+        lines.append(f"restore: {incident.restore}")
+    if incident.recovery_s is not None:
+        lost = "" if incident.steps_lost is None else f", {incident.steps_lost} step(s) lost"
+        lines.append(f"recovered in {incident.recovery_s:.2f}s{lost}")
+    else:
+        lines.append("not recovered")
+    return "\n".join(lines)
+
+
+def _lanes(ax: Any, course: Course) -> None:
+    row = {name: len(LANES) - 1 - i for i, name in enumerate(LANES)}
+
+    def mark(
+        lane: str, t: float, colour: str, label: str = "", shape: str = "o", below: bool = False
+    ) -> None:
+        ax.plot([t], [row[lane]], shape, color=colour, markersize=7)
+        if label:  # close moments: every other label below its mark, not on its neighbour's
+            ax.annotate(
+                label,
+                xy=(t, row[lane]),
+                xytext=(5, -11 if below else 4),
+                textcoords="offset points",
+                fontsize=7.5,
+                color=colour,
+            )
+
+    for i in course.incidents:
+        below = i.number % 2 == 0
+        fault_at = i.injected if i.injected is not None else i.detected
+        mark("fault", fault_at, FAULT, f"{i.number}: {i.kind}", "X", below)
+        mark("detected", i.detected, DETECTED, f"{i.number}: {i.where}", below=below)
+        if i.restarted is not None:
+            label = f"{i.number}: round {i.round}"
+            if i.replaced_by:
+                label += f", {i.replaced_by} in"
+            mark("restart", i.restarted, RESTART, label, below=below)
+        if i.restored is not None and i.restore:
+            where = "memory" if i.restore.startswith("memory") else "storage"
+            mark("restore", i.restored, RESTORE, f"{i.number}: {where}", "s", below)
+        if i.recovered is not None:
+            took = f"{i.number}: {i.recovery_s or 0:.2f}s"
+            mark("recovered", i.recovered, RECOVERED, took, below=below)
+        span_end = i.recovered if i.recovered is not None else course.end
+        ax.plot([fault_at, span_end], [row["fault"]] * 2, color=FAULT, alpha=0.4, linewidth=3)
+    for c in course.checkpoints:
+        ax.plot([c.time], [row["checkpoint"]], "^", color=CHECKPOINT, markersize=5)
+    for s in course.stragglers:
+        mark("straggler", s.time, STRAGGLER, s.label, "D")
+    if course.outcome is not None:
+        ax.axvline(course.outcome.time, color="black", linewidth=1, linestyle="--")
+        ax.annotate(
+            course.outcome.label,
+            xy=(course.outcome.time, row["straggler"]),
+            xytext=(-4, 0),
+            textcoords="offset points",
+            fontsize=7.5,
+            ha="right",
+        )
+    ax.set_yticks(list(row.values()), list(row.keys()))
+    ax.set_ylim(-0.7, len(LANES) - 0.3)
+    ax.grid(axis="x", alpha=0.3)
+
+
+def svg(fig: Figure) -> str:
+    """The figure as an SVG element to inline in HTML: without the XML prolog, the DOCTYPE
+    and the metadata (whose namespace addresses are no links, but need not be there)."""
+    buffer = io.StringIO()
+    fig.savefig(buffer, format="svg", metadata={"Date": None})
+    text = buffer.getvalue()
+    text = text[text.index("<svg") :]
+    return re.sub(r"<metadata>.*?</metadata>\s*", "", text, flags=re.S)
+
+
+def png(fig: Figure, path: Path) -> None:
+    fig.savefig(path, format="png", dpi=110)

@@ -1,0 +1,164 @@
+"""``planaria report`` on the run directory of a real job through a worker kill and a node kill:
+the page tells both faults, their detection, restore and recovery with the figures
+``planaria run`` printed, it loads nothing from the network, the picture is a PNG, and a
+damaged timeline is a clear error."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from test_run import job, marked_processes, run
+
+from planaria import rundir
+from planaria.report import course
+
+pytest.importorskip("torch")
+pytest.importorskip("matplotlib")
+
+CHAOS = [
+    {"kind": "kill_worker", "rank": 1, "at_step": 6},
+    {"kind": "kill_node", "node_rank": 1, "at_step": 17, "attempt": 1},
+]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def faulty_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """One real 2-node job through a worker kill and a node kill: (its run dir, its output)."""
+    where = tmp_path_factory.mktemp("faulty")
+    mark = uuid.uuid4().hex
+    try:
+        # Room for more restarts than the two faults need: on a busy machine a round's
+        # rendezvous port may be taken before its store listens (EADDRINUSE), one more fault.
+        config = job(where, chaos=CHAOS, job={"max_restarts": 6})
+        result = run(where, mark, str(config))
+    finally:
+        deadline = time.monotonic() + 5
+        while (left := marked_processes(mark)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert left == [], f"processes of the job survived it: {left}"
+    assert result.returncode == 0, result.stdout + result.stderr
+    (run_dir,) = where.glob("planaria-runs/*")
+    return run_dir, result.stdout
+
+
+def report(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "planaria"), "report", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.slow  # the job they share takes ~30 s
+def test_every_run_writes_a_report_telling_both_faults_and_their_recoveries(faulty_run):
+    run_dir, output = faulty_run
+    page = run_dir / "report.html"
+    assert f"report: {page}" in output
+    html = page.read_text()
+    assert html.count("<svg") == 1 and "</svg>" in html
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    faults = summary["faults"]
+    kinds = [f["kind"] for f in faults]
+    # The node kill may bring a peer's failure too (as in test_run): the kill's own faults
+    # are the first worker failure and the node loss.
+    assert kinds[0] == "worker_failed" and "node_lost" in kinds
+    for fault in faults:
+        # The faults table: the very figures `planaria run` printed.
+        assert fault["detail"] in html and (fault["restored_from"] or "-") in html
+        if fault["recovered_at"] is not None:
+            recovery = f"{fault['recovered_at'] - fault['time']:.2f}s"
+            assert recovery in html and recovery in output
+    assert faults[0]["restored_from"].startswith("memory") and faults[0]["recovered_at"]
+    lost = faults[kinds.index("node_lost")]
+    assert lost["restored_from"] == "storage"
+    goodput = re.search(r"goodput\s*│\s*([\d.]+%)", output)
+    assert goodput and f"<td>{goodput.group(1)}</td>" in html
+
+    # Each fault from the timeline: detected, restarted, restored, recovered.
+    told = course(rundir.events(run_dir), rundir.summary(run_dir))
+    first, *_ = told.incidents
+    (second,) = [i for i in told.incidents if i.kind == "node_lost"]
+    assert (first.kind, first.where) == ("worker_failed", f"rank 1 on {faults[0]['node']}")
+    assert second.where == lost["node"]
+    assert second.injected is not None and second.injected <= second.detected
+    assert second.replaced_by == "node-2"
+    for incident in (first, second):
+        assert incident.restarted is not None and incident.restored is not None
+        assert incident.detected <= incident.restarted <= incident.restored
+        assert f"{incident.detected:.2f}s" in html
+    assert first.restore is not None and first.restore.startswith("memory:")
+    assert second.restore == "storage"
+    # Both recovered: the node loss in its own round, or in a later one's (when a peer's
+    # failure in the round without it came too).
+    assert first.recovered is not None and f"{first.recovered:.2f}s" in html
+    recovered = [i.recovered for i in told.incidents[told.incidents.index(second) :]]
+    assert any(at is not None and f"{at:.2f}s" in html for at in recovered)
+    assert "recovered from worker_failed" in html
+    assert told.incidents[-1].recovered is not None
+    # The nodes' steps were sampled, node-2 trained in the last round.
+    assert {"node-0", "node-1", "node-2"} <= set(told.nodes)
+    (survivor,) = {"node-0", "node-1"} - {second.where}
+    assert told.rounds[-1].ranks == {survivor: 0, "node-2": 1}
+    assert told.outcome is not None and "succeeded" in told.outcome.label
+
+
+@pytest.mark.slow  # the job they share takes ~30 s
+def test_the_page_needs_no_network(faulty_run):
+    html = (faulty_run[0] / "report.html").read_text()
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", html, re.I)
+    assert not re.search(r"<script[^>]*\bsrc\b", html, re.I)
+    assert not re.search(r"@import|url\(\s*['\"]?(https?:)?//", html, re.I)
+    assert "<link" not in html.lower()
+
+
+@pytest.mark.slow  # the job they share takes ~30 s
+def test_the_command_writes_the_page_and_a_png_where_asked(faulty_run, tmp_path):
+    run_dir, _ = faulty_run
+    page, picture = tmp_path / "job.html", tmp_path / "job.png"
+    result = report(str(run_dir), "--output", str(page), "--png", str(picture))
+    assert result.returncode == 0, result.stderr
+    assert f"report: {page}" in result.stdout
+    data = picture.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 20_000
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert width > 800 and height > 600
+    assert "node_lost" in page.read_text()
+
+
+@pytest.mark.slow  # the job they share takes ~30 s
+def test_a_damaged_timeline_is_an_error_naming_the_file_and_line(faulty_run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(faulty_run[0], copy)
+    timeline = copy / "events.jsonl"
+    lines = timeline.read_text().splitlines()
+    lines[2] = lines[2][: len(lines[2]) // 2]  # a line cut short
+    timeline.write_text("\n".join(lines) + "\n")
+    result = report(str(copy))
+    assert result.returncode == 2
+    assert f"{timeline}, line 3: not JSON" in " ".join(result.stderr.split())
+    assert "Traceback" not in result.stderr
+
+    lines[2] = json.dumps({"kind": "no_such_kind", "job": "x", "time": 1.0})
+    timeline.write_text("\n".join(lines) + "\n")
+    result = report(str(copy))
+    assert result.returncode == 2
+    assert f"{timeline}, line 3: not a job event (kind:" in " ".join(result.stderr.split())
+
+
+def test_a_directory_that_is_no_run_is_an_error(tmp_path):
+    result = report(str(tmp_path))
+    assert result.returncode == 2
+    assert "is not a planaria run directory" in result.stderr
+    result = report(str(tmp_path / "missing"))
+    assert result.returncode == 2 and "does not exist" in result.stderr
