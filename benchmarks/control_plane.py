@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import resource
@@ -82,54 +83,86 @@ class Rejected(Exception):
     pass
 
 
+class _Reply(asyncio.Protocol):
+    """The client side of one connection: collects each response (status, body) as it comes,
+    with no stream objects in between (the load generator must outrun the master)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buffer = b""
+        self.waiter: asyncio.Future[tuple[int, bytes]] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        end = self.buffer.find(b"\r\n\r\n")
+        if end < 0:
+            return
+        head = self.buffer[:end]
+        at = head.find(b"Content-Length: ")
+        length = int(head[at + 16 : head.find(b"\r\n", at)]) if at >= 0 else 0
+        if len(self.buffer) < end + 4 + length:
+            return
+        body = self.buffer[end + 4 : end + 4 + length]
+        self.buffer = self.buffer[end + 4 + length :]
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result((int(head[9:12]), body))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionResetError("the master closed the connection"))
+
+
 class Connection:
     """One HTTP/1.1 keep-alive connection to the master, from a source address of its own."""
 
     def __init__(self, host: str, port: int, token: str, source: str) -> None:
         self.host, self.port, self.source = host, port, source
         self.head = (
-            f"Host: {host}:{port}\r\nAuthorization: Bearer {token}\r\n"
-            "Content-Type: application/json\r\n"
+            f" HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {token}\r\n"
+            "Content-Type: application/json\r\nContent-Length: "
         ).encode()
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
+        self.reply: _Reply | None = None
 
     async def post(self, path: str, body: dict[str, object]) -> tuple[int, dict[str, object]]:
-        data = json.dumps(body, separators=(",", ":")).encode()
+        status, raw = await self.send(path, json.dumps(body, separators=(",", ":")).encode())
+        return status, json.loads(raw) if raw else {}
+
+    async def send(self, path: str, data: bytes) -> tuple[int, bytes]:
         for attempt in range(50):
             try:
-                if self.writer is None:
-                    self.reader, self.writer = await asyncio.open_connection(
-                        self.host, self.port, local_addr=(self.source, 0), limit=1 << 20
+                if self.reply is None or self.reply.transport is None:
+                    loop = asyncio.get_running_loop()
+                    _, self.reply = await loop.create_connection(
+                        _Reply, self.host, self.port, local_addr=(self.source, 0)
                     )
-                assert self.reader is not None
-                self.writer.write(
-                    b"POST /v1"
-                    + path.encode()
-                    + b" HTTP/1.1\r\n"
-                    + self.head
-                    + b"Content-Length: "
-                    + str(len(data)).encode()
-                    + b"\r\n\r\n"
-                    + data
+                reply = self.reply
+                assert reply.transport is not None
+                reply.waiter = asyncio.get_running_loop().create_future()
+                reply.transport.write(
+                    b"POST /v1%s%s%d\r\n\r\n%s" % (path.encode(), self.head, len(data), data)
                 )
-                header = await self.reader.readuntil(b"\r\n\r\n")
-                status = int(header[9:12])
-                length = 0
-                for line in header.split(b"\r\n"):
-                    if line[:15].lower() == b"content-length:":
-                        length = int(line[15:])
-                payload = await self.reader.readexactly(length)
-                return status, json.loads(payload) if payload else {}
-            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+                return await reply.waiter
+            except OSError:
                 self.close()
                 await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
         raise Rejected(f"{path}: no answer after 50 tries")
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        self.reader = self.writer = None
+        if self.reply is not None and self.reply.transport is not None:
+            self.reply.transport.close()
+        self.reply = None
+
+
+BEAT = (
+    b'{"node_id":"%s","round":%d,"activity":"running","progress":[{"local_rank":0,"step":%d,'
+    b'"time":%.6f,"step_s":1.0,"busy_s":0.9,"first_step":1}],"wait":true}'
+)
+"""A heartbeat as an agent sends it in a running round: its progress, and a long poll."""
 
 
 @dataclass
@@ -186,35 +219,18 @@ class Agent:
         """Long-poll heartbeats with progress until the master sends an action."""
         while not self.silent:
             self.step += 1
-            now = time.time()
-            body = {
-                "node_id": self.node_id,
-                "round": self.round,
-                "activity": "running",
-                "progress": [
-                    {
-                        "local_rank": 0,
-                        "step": self.step,
-                        "time": now,
-                        "step_s": 1.0,
-                        "busy_s": 0.9,
-                        "first_step": 1,
-                    }
-                ],
-                "wait": True,
-            }
+            body = BEAT % (self.node_id.encode(), self.round, self.step, time.time())
             sent = time.monotonic()
-            status, reply = await self.conn.post("/heartbeat", body)
+            status, raw = await self.conn.send("/heartbeat", body)
             took = time.monotonic() - sent
             if status == 410 or self.silent:
                 return "fenced"
             if status != 200:
-                raise Rejected(f"{self.node_id}: heartbeat answered {status}: {reply}")
-            action = reply["action"]
-            assert isinstance(action, dict)
-            if action["kind"] == "none":
+                raise Rejected(f"{self.node_id}: heartbeat answered {status}: {raw!r}")
+            if b'"kind":"none"' in raw:
                 self.beats.append((sent, max(0.0, took - HOLD)))
                 continue
+            action = json.loads(raw)["action"]
             return str(action["kind"])
         return "silent"
 
@@ -338,6 +354,10 @@ async def wait_for(condition, timeout: float, what: str) -> None:  # type: ignor
         await asyncio.sleep(0.02)
 
 
+def say(n: int, what: str) -> None:
+    print(f"[{n} agents] {what}", file=sys.stderr, flush=True)
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -360,6 +380,7 @@ async def measure(n: int, beat_window: float, root: Path) -> dict[str, float | i
         last_join = max(a.joined_at[1] for a in agents)
         round_s = max(a.ready_at[1] for a in agents) - last_join
         startup_s = max(a.ready_at[1] for a in agents) - start
+        say(n, f"first round: {round_s:.3f}s from the last join, {startup_s:.3f}s in all")
 
         # Steady heartbeats: every agent long-polls; the window starts once all have beaten.
         await asyncio.sleep(HOLD * 2)
@@ -370,6 +391,11 @@ async def measure(n: int, beat_window: float, root: Path) -> dict[str, float | i
             late for a in agents for sent, late in a.beats if t0 <= sent and sent + HOLD <= t1
         ]
         rss, _ = master.memory_mib()
+        say(
+            n,
+            f"heartbeats: {len(window) / (t1 - HOLD - t0):.0f}/s, "
+            f"CPU {(cpu1 - cpu0) / (t1 - t0):.2f}/s",
+        )
 
         # A restart round: one agent's worker fails, every node restarts in place.
         failing = agents[n // 2]
@@ -396,6 +422,7 @@ async def measure(n: int, beat_window: float, root: Path) -> dict[str, float | i
             raise Rejected(f"the failure report answered {status}: {reply}")
         await wait_for(lambda: all(2 in a.ready_at for a in agents), 300, "the restart round")
         restart_round_s = max(a.ready_at[2] for a in agents) - failed_at
+        say(n, f"restart round: {restart_round_s:.3f}s")
 
         # A node replacement: one agent falls silent; the master declares it lost and asks the
         # scheduler for another node, whose agent then starts (as the scheduler would start it).
@@ -422,7 +449,7 @@ async def measure(n: int, beat_window: float, root: Path) -> dict[str, float | i
             if isinstance(e["data"], dict) and e["data"].get("fault") == "node_lost"
         )
         _, peak = master.memory_mib()
-        rate = len(window) / (t1 - t0)
+        rate = len(window) / (t1 - HOLD - t0)  # beats sent in [t0, t1 - HOLD]
         return {
             "agents": n,
             "startup_s": round(startup_s, 3),
@@ -455,6 +482,10 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the masters' run directories")
     args = parser.parse_args()
     _raise_open_files()
+    # The load generator's own state (10,000 agents) is long-lived too: keep the collector
+    # from walking it over and over, as the master does (planaria.master.scale).
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 1000)
     rows = []
     for n in args.agents:
         root = Path(tempfile.mkdtemp(prefix=f"planaria-cp-{n}-"))

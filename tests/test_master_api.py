@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from planaria.master.job import Master
-from planaria.master.runner import supervise
+from planaria.master.runner import join_hold, supervise
 from planaria.master.server import ServerLimits, make_app, serve
 from planaria.master.state import JobSettings, JobState
 from planaria.protocol import API_PREFIX, JobSpec
@@ -21,7 +21,7 @@ from planaria.scheduler.local import LocalOptions, LocalScheduler
 TOKEN = "s3cret-token"
 
 
-def settings(tmp_path: Path, nodes: int = 2) -> JobSettings:
+def settings(tmp_path: Path, nodes: int = 2, heartbeat_timeout: float = 30) -> JobSettings:
     spec = JobSpec(
         job="api",
         run_id="api-1",
@@ -32,7 +32,7 @@ def settings(tmp_path: Path, nodes: int = 2) -> JobSettings:
         procs_per_node=2,
         max_restarts=1,
         heartbeat_interval=0.5,
-        heartbeat_timeout=30,
+        heartbeat_timeout=heartbeat_timeout,
         stop_grace=1,
         preload=[],
     )
@@ -46,10 +46,18 @@ def settings(tmp_path: Path, nodes: int = 2) -> JobSettings:
     )
 
 
-async def with_master(tmp_path: Path, body, limits: ServerLimits | None = None) -> None:
+async def with_master(
+    tmp_path: Path,
+    body,
+    limits: ServerLimits | None = None,
+    *,
+    heartbeat_timeout: float = 30,
+    join_hold: float = 5.0,
+) -> None:
     """A master whose nodes never call back: ``body(master, session, url)`` plays the agents."""
-    master = Master(settings(tmp_path), LocalScheduler(LocalOptions()), tmp_path)
-    app = make_app(master, TOKEN, hold=0.2, limits=limits)
+    job = settings(tmp_path, heartbeat_timeout=heartbeat_timeout)
+    master = Master(job, LocalScheduler(LocalOptions()), tmp_path)
+    app = make_app(master, TOKEN, hold=0.2, limits=limits, join_hold=join_hold)
     runner, port = await serve(app, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{port}{API_PREFIX}"
     # Stand-in agents that never call back: the test plays the agents over HTTP.
@@ -139,6 +147,41 @@ def test_two_agents_form_a_round_over_http(tmp_path):
         assert status["state"] == "running" and status["round"] == 1
 
     asyncio.run(with_master(tmp_path, body))
+
+
+@pytest.mark.parametrize("hold", ["capped", "5s"])
+def test_a_node_waiting_in_a_join_is_not_silent(tmp_path, hold):
+    """One of two nodes joins and waits for the other, asking again whenever its join comes
+    back "wait". With the join held at most half the heartbeat timeout (as ``planaria run``
+    holds it) it is never taken for lost; held 5 s against a 1.5 s timeout, it was."""
+    timeout = 1.5
+
+    async def body(master, session, url):
+        for i in range(2):
+            reg = {"node_id": f"node-{i}", "host": f"h{i}", "addr": "127.0.0.1", "pid": 1}
+            async with session.post(url + "/register", json=reg, headers=AUTH) as r:
+                assert r.status == 200
+        deadline = time.monotonic() + 4 * timeout
+
+        async def beat() -> None:  # the other node is heard all along: no master cut off
+            while time.monotonic() < deadline:
+                b = {"node_id": "node-1", "round": 0, "activity": "idle", "wait": False}
+                async with session.post(url + "/heartbeat", json=b, headers=AUTH) as r:
+                    assert r.status == 200
+                await asyncio.sleep(0.2)
+
+        beating = asyncio.ensure_future(beat())
+        join = {"node_id": "node-0", "addr": "127.0.0.1", "port": 40000}
+        while time.monotonic() < deadline:
+            async with session.post(url + "/rendezvous/join", json=join, headers=AUTH) as r:
+                if r.status != 200:
+                    break
+        await beating
+        lost = master.nodes["node-0"].phase.value == "lost"
+        assert lost == (hold == "5s"), master.nodes["node-0"].phase
+
+    held = join_hold(timeout) if hold == "capped" else 5.0
+    asyncio.run(with_master(tmp_path, body, heartbeat_timeout=timeout, join_hold=held))
 
 
 MISSING = "ModuleNotFoundError: No module named 'no_such_module_xyz'"

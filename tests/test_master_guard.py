@@ -294,5 +294,15 @@ def test_bodies_are_read_as_their_schema_says_and_nothing_looser(tmp_path):
         beat = {"node_id": "node-0", "round": 0.0, "activity": "idle", "wait": False}
         async with session.post(url(port, "/heartbeat"), json=beat, headers=AUTH) as r:
             assert r.status == 200, await r.text()
+        # A number too large for a float is no infinity in a float field either (the body
+        # that a plain validation would take as it parsed).
+        for huge in (b"1e999", b"-1.5E+400", b"9" * 400 + b".0"):
+            beat_bytes = (
+                b'{"node_id":"node-0","round":0,"activity":"idle","wait":false,'
+                b'"first_step_time":' + huge + b"}"
+            )
+            async with session.post(url(port, "/heartbeat"), data=beat_bytes, headers=AUTH) as r:
+                assert r.status == 400, (huge, await r.text())
+                assert (await r.json())["problems"][0].startswith("<body>:")
 
     asyncio.run(with_guarded_master(tmp_path, run, ServerLimits()))

@@ -31,6 +31,7 @@ from planaria.config.machine import machine_issues, workdir_issues
 from planaria.diagnosis.setup import BENCHMARK_PATH, agent_spec, master_policy
 from planaria.errors import ConfigError, ConfigIssue
 from planaria.events import JobEvent
+from planaria.master import scale
 from planaria.master.job import Master
 from planaria.master.journal import Journal, JournalError, Journalled
 from planaria.master.server import ServerLimits, make_app, serve
@@ -75,6 +76,12 @@ async def supervise(master: Master, launch: LaunchSpec | None) -> Summary:
     await master.fleet.close()
     master.write_journal()
     return master.summary()
+
+
+def join_hold(heartbeat_timeout: float) -> float:
+    """How long a rendezvous join is held waiting for its round: 5 s, and at most half the
+    heartbeat timeout, since a node waiting in a join is heard from only when it asks again."""
+    return min(5.0, heartbeat_timeout / 2)
 
 
 def _ignore(*_: object) -> None:
@@ -396,13 +403,13 @@ async def _run(
             per_client=config.master.max_connections_per_client,
             max_request_bytes=config.master.max_request_bytes,
         )
+        scale.prepare(master.settings.max_nodes)
         app_ = make_app(
             master,
             token,
             hold=config.master.heartbeat_interval,
             limits=limits,
-            # A join held past the heartbeat timeout would count its own node silent.
-            join_hold=min(5.0, config.master.heartbeat_timeout / 2),
+            join_hold=join_hold(config.master.heartbeat_timeout),
             public_with=["master.metrics_public"] if config.master.metrics_public else [],
         )
         wire = transport(config.master.host, config.master.tls)

@@ -14,7 +14,9 @@ import asyncio
 import hmac
 import inspect
 import math
+import re
 import ssl
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -63,6 +65,23 @@ class _Connections:
         self.per_client: Counter[str] = Counter()
         self.guards: dict[asyncio.BaseTransport, _Guard] = {}
         self.refused = 0
+        self._sweep: asyncio.TimerHandle | None = None
+
+    def watch(self) -> None:
+        """Look for connections past their deadline a few times per time limit: one timer
+        for all of them, not one per request (10,000 nodes heart-beat 10,000 times a second)."""
+        if self._sweep is None:
+            every = min(1.0, self.limits.request_timeout / 4)
+            self._sweep = asyncio.get_running_loop().call_later(every, self._expire_late)
+
+    def _expire_late(self) -> None:
+        self._sweep = None
+        now = time.monotonic()
+        for guard in list(self.guards.values()):
+            if guard.deadline is not None and now >= guard.deadline:
+                guard.expire()
+        if self.guards:
+            self.watch()
 
 
 class _Guard(asyncio.Protocol):
@@ -77,7 +96,8 @@ class _Guard(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.client = ""
         self.in_handler = False
-        self._timer: asyncio.TimerHandle | None = None
+        self.deadline: float | None = None
+        """When the request now arriving must be in (monotonic clock); None: no request is."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -98,26 +118,21 @@ class _Guard(asyncio.Protocol):
         self.book.per_client[self.client] += 1
         self.book.guards[transport] = self
         self._arm()
+        self.book.watch()
         self.inner.connection_made(transport)
 
     def _arm(self) -> None:
-        if self._timer is None and not self.in_handler:
-            loop = asyncio.get_running_loop()
-            self._timer = loop.call_later(self.book.limits.request_timeout, self._expire)
+        if self.deadline is None and not self.in_handler:
+            self.deadline = time.monotonic() + self.book.limits.request_timeout
 
-    def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _expire(self) -> None:
-        self._timer = None
+    def expire(self) -> None:
+        self.deadline = None
         if self.transport is not None and not self.in_handler:
             self.transport.close()
 
     def handler_entered(self) -> None:
         self.in_handler = True
-        self._disarm()
+        self.deadline = None
 
     def handler_left(self) -> None:
         self.in_handler = False
@@ -140,7 +155,7 @@ class _Guard(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self.transport is None:
             return
-        self._disarm()
+        self.deadline = None
         self.book.guards.pop(self.transport, None)
         self.book.per_client[self.client] -= 1
         if self.book.per_client[self.client] <= 0:
@@ -221,7 +236,16 @@ async def _body(request: web.Request, model: type[M]) -> M:
             _error(408, f"the request body did not arrive within {limits.request_timeout:g}s")
         ) from None
     try:
-        data = _numbers(pydantic_core.from_json(raw, allow_inf_nan=False))
+        data = pydantic_core.from_json(raw, allow_inf_nan=False)
+    except ValueError as exc:
+        raise BadRequest(_invalid(f"invalid {model.__name__}", [f"<body>: {exc}"])) from None
+    if not _OVERFLOW.search(raw):  # no number can have become infinite: as agents send it
+        try:
+            return model.model_validate(data, strict=True)
+        except ValidationError:
+            pass  # perhaps 3.0 for 3: the numbers as JSON Schema reads them, below
+    try:
+        data = _numbers(data)
     except ValueError as exc:
         raise BadRequest(_invalid(f"invalid {model.__name__}", [f"<body>: {exc}"])) from None
     try:
@@ -234,6 +258,11 @@ async def _body(request: web.Request, model: type[M]) -> M:
             for e in exc.errors(include_url=False)
         ]
         raise BadRequest(_invalid(f"invalid {model.__name__}", problems)) from None
+
+
+_OVERFLOW = re.compile(rb"[0-9.][eE][+-]?[0-9]{3}|[0-9]{300}")
+"""What a JSON number must look like to overflow a float (a long exponent, or hundreds of
+digits): a body without it is validated as it parsed, with no walk over its values."""
 
 
 def _numbers(value: Any) -> Any:

@@ -7,7 +7,9 @@ through :class:`planaria.master.control.JobControl`; nothing here acts.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -83,19 +85,49 @@ class Wake:
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
         self._waiters.append(waiter)
-        timer = loop.call_later(timeout, _expire, waiter)
+        _deadlines(loop).add(loop, loop.time() + timeout, waiter)
         try:
             await waiter
         finally:
-            timer.cancel()
-            if not waiter.done() or waiter in self._waiters:
+            if waiter in self._waiters:
                 self._waiters.remove(waiter)
         return self._set
 
 
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
+class _Deadlines:
+    """Waiters to wake at a time, rounded up to :data:`SLOT` seconds: one timer per slot for
+    every long poll ending in it, instead of one timer per long poll."""
+
+    def __init__(self) -> None:  # no reference to its loop: the loop's key stays weak
+        self.slots: dict[int, list[asyncio.Future[None]]] = {}
+
+    def add(
+        self, loop: asyncio.AbstractEventLoop, when: float, waiter: asyncio.Future[None]
+    ) -> None:
+        slot = math.ceil(when / SLOT)
+        waiters = self.slots.get(slot)
+        if waiters is None:
+            waiters = self.slots[slot] = []
+            loop.call_at(slot * SLOT, self._due, slot)
+        waiters.append(waiter)
+
+    def _due(self, slot: int) -> None:
+        for waiter in self.slots.pop(slot, ()):
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+SLOT = 0.02
+_DEADLINES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Deadlines] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _deadlines(loop: asyncio.AbstractEventLoop) -> _Deadlines:
+    found = _DEADLINES.get(loop)
+    if found is None:
+        found = _DEADLINES[loop] = _Deadlines()
+    return found
 
 
 class JobState(str, Enum):
