@@ -481,6 +481,8 @@ def main() -> None:
     )
     parser.add_argument("--keep", action="store_true", help="keep the masters' run directories")
     args = parser.parse_args()
+    # Stopped from outside: the masters are stopped on the way out (finally), not left behind.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     _raise_open_files()
     # The load generator's own state (10,000 agents) is long-lived too: keep the collector
     # from walking it over and over, as the master does (planaria.master.scale).
