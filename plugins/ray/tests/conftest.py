@@ -30,9 +30,10 @@ WORKERS = 3
 NODE: dict[str, Any] = {
     "num_cpus": 2,
     "object_store_memory": 100 * 1024 * 1024,
-    # Every Ray node holds one agent of the job tests (custom resource `agent`).
-    "resources": {"agent": 1},
 }
+AGENT = {"agent": 1}
+"""The worker raylets have it, the head not: the job tests' agents go on those three only (a
+two-node job and one free node), and the head, whose GCS the driver needs, is never lost."""
 HEALTH = {
     "health_check_initial_delay_ms": 1000,
     "health_check_period_ms": 500,
@@ -77,7 +78,7 @@ class RayCluster:
                 head_node_args={**NODE, "include_dashboard": False, "_system_config": HEALTH},
             )
             for _ in range(WORKERS):
-                self.cluster.add_node(**NODE)
+                self.cluster.add_node(**NODE, resources=AGENT)
             self.cluster.wait_for_nodes()
         self.address: str = self.cluster.address
 
@@ -103,7 +104,7 @@ class RayCluster:
 
     def add_node(self) -> str:
         with unmarked():
-            node = self.cluster.add_node(**NODE)
+            node = self.cluster.add_node(**NODE, resources=AGENT)
             self.cluster.wait_for_nodes()
         return str(node.node_id)
 

@@ -7,7 +7,10 @@ signal set (:func:`planaria.process.popen`): when the actor's process ends for a
 ``ray.kill``, its raylet killed, its machine gone, the agent gets SIGKILL, and the agent takes
 its workers with it. The actor's environment is the runtime environment's (``env_vars``:
 the master's URL, the job token, the node id), which the agent inherits; nothing of it is
-logged.
+logged. What Ray adds to its workers' environment for Ray's own sake is taken out again
+(:data:`RAY_ADDS`), so that the agent starts its workers with torchrun's environment exactly
+as under the local scheduler: Ray's ``OMP_NUM_THREADS=<the actor's CPUs>`` would change the
+workers' thread count, and with it the bits of their results.
 
 Methods run on a small thread pool (``max_concurrency``), so that :meth:`NodeActor.stop` is
 served while :meth:`NodeActor.wait` blocks on the agent's exit.
@@ -32,13 +35,20 @@ from planaria import process
 from planaria.scheduler.local import open_node_log
 
 PR_SET_CHILD_SUBREAPER = 36
+RAY_ADDS = ("OMP_NUM_THREADS",)
+"""Variables Ray sets in a worker it starts, unless the runtime environment asked for them."""
 
 
 class NodeActor:
     """One node: its agent process, started at once (see the module docstring)."""
 
     def __init__(
-        self, command: list[str], node_id: str, log_dir: str | None, linger: float
+        self,
+        command: list[str],
+        node_id: str,
+        log_dir: str | None,
+        linger: float,
+        asked: list[str],
     ) -> None:
         # Orphans of the node (a worker's child whose worker died first) come back to us,
         # and die with this process at the latest.
@@ -48,6 +58,7 @@ class NodeActor:
         self._node_id = node_id
         self._log_dir = log_dir
         self._linger = linger
+        self._env = {k: v for k, v in os.environ.items() if k in asked or k not in RAY_ADDS}
         self._started = threading.Event()
         self._ended = threading.Event()
         self._taken = threading.Event()
@@ -68,6 +79,7 @@ class NodeActor:
                     log_fd = None  # not reachable from this Ray node: Ray's worker log has it
             self._proc = process.popen(
                 self._command,
+                env=self._env,
                 stdin=subprocess.DEVNULL,
                 stdout=log_fd,
                 stderr=log_fd,

@@ -324,7 +324,7 @@ class RayScheduler(Scheduler[RayOptions]):
         log_dir = None if spec.log_dir is None else str(spec.log_dir)
         try:
             node.actor = actor_class.options(**options).remote(
-                list(spec.command), node.node_id, log_dir, LINGER
+                list(spec.command), node.node_id, log_dir, LINGER, sorted(env)
             )
         except Exception as exc:
             raise SchedulerError(f"cannot create the actor of {node.node_id}: {exc}") from exc
