@@ -1,6 +1,7 @@
 """A real Ray cluster for the whole session: a head and three worker raylets on this machine
-(distinct ports, 100 MiB object stores, no dashboard), and a check after every test
-that it left nothing behind.
+(distinct ports, 100 MiB object stores, no dashboard), all on loopback (every node's address
+is 127.0.0.1, so that its processes listen there alone, and the driver joins 127.0.0.1), and
+a check after every test that it left nothing behind.
 
 The cluster's processes (GCS, raylets, their helpers) outlive every test on purpose: they are
 started without the session's marker (:mod:`planaria.leftovers`). The agents' actors are Ray
@@ -14,14 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from planaria import leftovers
 from planaria.testing import assert_nothing_left
+from planaria_ray.cluster import worker_ports
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -30,6 +35,7 @@ WORKERS = 3
 NODE: dict[str, Any] = {
     "num_cpus": 2,
     "object_store_memory": 100 * 1024 * 1024,
+    "node_ip_address": "127.0.0.1",
 }
 AGENT = {"agent": 1}
 """The worker raylets have it, the head not: the job tests' agents go on those three only (a
@@ -42,12 +48,20 @@ HEALTH = {
 }
 
 
+HOME = Path(tempfile.mkdtemp(prefix="planaria-ray-home-"))
+"""The cluster's processes' home. Ray's head asks cloud metadata servers (169.254.169.254)
+which cloud it runs on, usage reports off or not, unless its home holds a cluster launcher's
+``ray_bootstrap_config.yaml``: an empty one keeps the session on loopback."""
+(HOME / "ray_bootstrap_config.yaml").write_text("{}\n")
+
+
 @contextlib.contextmanager
 def unmarked() -> Iterator[None]:
-    """os.environ without the session's marker, for what outlives the tests on purpose."""
+    """os.environ without the session's marker, for what outlives the tests on purpose, with
+    the cluster's home."""
     saved = dict(os.environ)
     os.environ.clear()
-    os.environ.update(leftovers.unmarked(saved))
+    os.environ.update(leftovers.unmarked(saved), HOME=str(HOME))
     try:
         yield
     finally:
@@ -72,15 +86,27 @@ class RayCluster:
 
     def __init__(self) -> None:
         os.environ["RAY_AUTH_MODE"] = "disabled"
+        os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # no usage report
+        self.started = 0
         with unmarked():
             self.cluster = Cluster(
                 initialize_head=True,
-                head_node_args={**NODE, "include_dashboard": False, "_system_config": HEALTH},
+                head_node_args={
+                    **NODE,
+                    **self._ports(),
+                    "include_dashboard": False,
+                    "_system_config": HEALTH,
+                },
             )
             for _ in range(WORKERS):
-                self.cluster.add_node(**NODE, resources=AGENT)
+                self.cluster.add_node(**NODE, **self._ports(), resources=AGENT)
             self.cluster.wait_for_nodes()
         self.address: str = self.cluster.address
+
+    def _ports(self) -> dict[str, int]:
+        """Each node's own worker ports, away from the rendezvous' (see ``worker_ports``)."""
+        self.started += 1
+        return worker_ports(self.started - 1)
 
     def worker_nodes(self) -> list[Any]:
         return list(self.cluster.worker_nodes)
@@ -104,7 +130,7 @@ class RayCluster:
 
     def add_node(self) -> str:
         with unmarked():
-            node = self.cluster.add_node(**NODE, resources=AGENT)
+            node = self.cluster.add_node(**NODE, **self._ports(), resources=AGENT)
             self.cluster.wait_for_nodes()
         return str(node.node_id)
 
@@ -112,6 +138,7 @@ class RayCluster:
         with contextlib.suppress(Exception):
             ray.shutdown()
         self.cluster.shutdown()
+        shutil.rmtree(HOME, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,9 @@ import pytest
 import yaml
 from conftest import AGENT, RayCluster
 
+from planaria_ray import RayOptions
+from planaria_ray.cluster import join
+
 torch = pytest.importorskip("torch")
 ray = pytest.importorskip("ray")
 
@@ -90,8 +93,7 @@ def wait_for(what: str, predicate, timeout: float = 120.0, every: float = 0.2):
 
 def ray_node_of(where: Path, node_id: str, address: str) -> str:
     """The Ray node the actor of ``node_id`` runs on, asked of the actor itself."""
-    if not ray.is_initialized():
-        ray.init(address=address, log_to_driver=False, configure_logging=False)
+    join(RayOptions(address=address))  # as the driver does: on loopback, as given
     (run_dir,) = where.glob("planaria-runs/*")
     actor = ray.get_actor(f"planaria.{run_dir.name}.{node_id}", namespace="planaria")
     return str(ray.get(actor.ready.remote(), timeout=30)["ray_node"])

@@ -9,11 +9,21 @@ connection that is there.
 Without an address a local cluster is started for this run (a laptop run): one Ray node per
 agent (``local_nodes``, or as many as the first launch asks for), each declaring exactly one
 agent's resources, without the dashboard, with a small object store (the
-agents pass nothing through it). It ends with the job's :meth:`RayScheduler.stop`.
+agents pass nothing through it), on loopback only. It ends with the job's
+:meth:`RayScheduler.stop`.
+
+A cluster on loopback (its nodes started with ``--node-ip-address=127.0.0.1``, listening on
+127.0.0.1 alone) needs one thing of the driver: Ray rewrites a GCS address of 127.0.0.1,
+``localhost`` or ``::1`` to the machine's primary address before connecting (so that what it
+registers is reachable from other machines), where nobody of that cluster listens, and
+``ray.init`` then retries for minutes. Ray leaves loopback alone when multi-node clusters are
+off (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read once at import); a loopback address is a
+one-machine cluster, so the driver turns that off before joining one.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import time
@@ -28,6 +38,25 @@ OBJECT_STORE_BYTES = 100 * 1024 * 1024
 """The local cluster's object store per node: Ray's minimum is 75 MiB."""
 CURRENT_CLUSTER = Path("/tmp/ray/ray_current_cluster")
 """Where ``ray start --head`` writes the address of the cluster it started."""
+LOOPBACK = "127.0.0.1"
+"""The local cluster's node address: nothing of it listens beyond this machine."""
+WORKER_PORTS = (10002, 19999)
+"""Where Ray's worker processes bind on a cluster that ``ray start`` starts: below the
+kernel's ephemeral range (32768 up), from which a rendezvous takes the port it gives
+torch.distributed. Ray's in-process clusters bind their workers at random ephemeral ports
+instead; with a new worker process for every actor, one of them sometimes takes the port a
+rendezvous has just chosen, and the job's workers fail on it (``EADDRINUSE``)."""
+WORKER_PORTS_PER_NODE = 500
+
+
+def worker_ports(index: int) -> dict[str, int]:
+    """The worker port range of the ``index``-th Ray node started on this machine: ranges
+    of nodes on one machine do not overlap (a worker's port is free within its raylet's
+    pool, not the machine's). Past the 19th node, ranges are used again."""
+    low, high = WORKER_PORTS
+    blocks = (high - low + 1) // WORKER_PORTS_PER_NODE
+    first = low + (index % blocks) * WORKER_PORTS_PER_NODE
+    return {"min_worker_port": first, "max_worker_port": first + WORKER_PORTS_PER_NODE - 1}
 
 
 class RayMissing(SchedulerError):
@@ -83,6 +112,26 @@ def probe(address: str, timeout: float) -> None:
         ) from None
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback (127.0.0.0/8, ``::1``, ``localhost``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def keep_loopback(ray: ModuleType) -> None:
+    """Make ``ray.init`` connect to a loopback GCS address as given, not at the machine's
+    primary address (see the module's docstring). Ray reads the switch as
+    ``ray_constants.ENABLE_RAY_CLUSTER`` when it resolves the address; the process's
+    environment is left as it is, so nothing the driver starts inherits it."""
+    constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
+    if constants is not None and hasattr(constants, "ENABLE_RAY_CLUSTER"):
+        constants.ENABLE_RAY_CLUSTER = False
+
+
 def join(options: RayOptions) -> None:
     """Connect this process to the cluster at ``options.address`` (once per process)."""
     ray = import_ray()
@@ -99,6 +148,8 @@ def join(options: RayOptions) -> None:
 
 def _init(ray: ModuleType, address: str, options: RayOptions) -> None:
     started = time.monotonic()
+    if not address.startswith("ray://") and is_loopback(gcs_endpoint(address)[0]):
+        keep_loopback(ray)
     try:
         ray.init(
             address=address,
@@ -121,20 +172,24 @@ def start_local(options: RayOptions, nodes: int) -> Any:
     from ray.cluster_utils import Cluster
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # A cluster of this run's own: no usage report, no cloud metadata queries (unless asked).
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     node: dict[str, Any] = {
         "num_cpus": options.num_cpus,
         "num_gpus": options.num_gpus,
         "resources": dict(options.resources),
         "object_store_memory": OBJECT_STORE_BYTES,
+        "node_ip_address": LOOPBACK,
     }
     if options.memory:
         node["memory"] = options.memory
     try:
         cluster: Any = Cluster(
-            initialize_head=True, head_node_args={**node, "include_dashboard": False}
+            initialize_head=True,
+            head_node_args={**node, **worker_ports(0), "include_dashboard": False},
         )
-        for _ in range(max(1, nodes) - 1):
-            cluster.add_node(**node)
+        for index in range(1, max(1, nodes)):
+            cluster.add_node(**node, **worker_ports(index))
         cluster.wait_for_nodes()
     except Exception as exc:
         raise SchedulerError(f"cannot start a local Ray cluster of {nodes} node(s): {exc}") from exc
