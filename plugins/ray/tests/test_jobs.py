@@ -5,21 +5,21 @@ without a fault. A killed worker restarts in place and restores from memory."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from conftest import AGENT, RayCluster
 
-from planaria_ray import RayOptions
-from planaria_ray.cluster import join
+from planaria_ray.testing import AGENT, LocalCluster
 
 torch = pytest.importorskip("torch")
 ray = pytest.importorskip("ray")
@@ -91,12 +91,33 @@ def wait_for(what: str, predicate, timeout: float = 120.0, every: float = 0.2):
         time.sleep(every)
 
 
-def ray_node_of(where: Path, node_id: str, address: str) -> str:
-    """The Ray node the actor of ``node_id`` runs on, asked of the actor itself."""
-    join(RayOptions(address=address))  # as the driver does: on loopback, as given
-    (run_dir,) = where.glob("planaria-runs/*")
-    actor = ray.get_actor(f"planaria.{run_dir.name}.{node_id}", namespace="planaria")
-    return str(ray.get(actor.ready.remote(), timeout=30)["ray_node"])
+@contextlib.contextmanager
+def paused_run(where: Path, config: Path, cluster: LocalCluster) -> Iterator[subprocess.Popen]:
+    """``planaria run`` of ``config`` in ``where``, rank 0 stopping itself at step 10 (so that
+    a loss lands mid-training), entered once it did. At the end a run still going is
+    interrupted, and the cluster gets a new Ray node for the one the block took."""
+    chaos = ["--set", 'chaos=[{"kind": "stop_worker", "rank": 0, "at_step": 10}]']
+    run = subprocess.Popen(
+        [sys.executable, "-m", "planaria", "run", str(config), *chaos],
+        cwd=where,
+        env={**os.environ, "COLUMNS": "200"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+
+        def paused() -> bool:
+            logs = where.glob("planaria-runs/*/logs/*.log")
+            return any("stop_worker" in p.read_text() for p in logs)
+
+        wait_for("rank 0 pausing at step 10", paused)
+        yield run
+    finally:
+        if run.poll() is None:
+            run.send_signal(signal.SIGINT)
+            run.communicate(timeout=60)
+        cluster.add_node()  # the cluster keeps its size for the tests after this one
 
 
 @pytest.fixture(scope="module")
@@ -109,30 +130,16 @@ def clean_weights(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def test_a_ray_node_whose_raylet_is_killed_is_replaced_on_the_free_node(
-    tmp_path: Path, ray_cluster: RayCluster, clean_weights: dict
+    tmp_path: Path, ray_cluster: LocalCluster, clean_weights: dict
 ) -> None:
     """Rank 0 stops itself at step 10, so that the loss lands mid-training; node-1's raylet
     is then SIGKILLed. Its actor, agent and worker die with it; the master replaces node-1 on
     the third Ray node, and the job resumes from the last checkpoint."""
     config = job(tmp_path, on_ray(ray_cluster.address))
-    chaos = ["--set", 'chaos=[{"kind": "stop_worker", "rank": 0, "at_step": 10}]']
-    run = subprocess.Popen(
-        [sys.executable, "-m", "planaria", "run", str(config), *chaos],
-        cwd=tmp_path,
-        env={**os.environ, "COLUMNS": "200"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-
-        def paused() -> bool:
-            logs = tmp_path.glob("planaria-runs/*/logs/*.log")
-            return any("stop_worker" in p.read_text() for p in logs)
-
-        wait_for("rank 0 pausing at step 10", paused)
-        used = {ray_node_of(tmp_path, n, ray_cluster.address) for n in ("node-0", "node-1")}
-        victim = ray_node_of(tmp_path, "node-1", ray_cluster.address)
+    with paused_run(tmp_path, config, ray_cluster) as run:
+        (run_dir,) = tmp_path.glob("planaria-runs/*")
+        used = {ray_cluster.ray_node_of(run_dir, n) for n in ("node-0", "node-1")}
+        victim = ray_cluster.ray_node_of(run_dir, "node-1")
         free = {str(n.node_id) for n in ray_cluster.worker_nodes()} - used
         assert len(free) == 1, (free, used)
         killed = time.monotonic()
@@ -144,11 +151,6 @@ def test_a_ray_node_whose_raylet_is_killed_is_replaced_on_the_free_node(
         event = wait_for("the replacement", replaced)
         took = time.monotonic() - killed
         output, _ = run.communicate(timeout=240)
-    finally:
-        if run.poll() is None:
-            run.send_signal(signal.SIGINT)
-            run.communicate(timeout=60)
-        ray_cluster.add_node()  # the cluster keeps its size for the tests after this one
     assert run.returncode == 0, output
     print(f"raylet killed -> node_replaced in {took:.1f}s")
     data = event["data"]
