@@ -25,7 +25,8 @@ Run:  python benchmarks/recovery.py [--trials 3] [--steps 60] [--kill-at 30]
 The last line printed is one JSON object with the figures.
 
 ``--scheduler slurm`` measures on a real Slurm cluster instead, a worker kill and a node loss
-(benchmarks/recovery_slurm.py says how).
+(benchmarks/recovery_slurm.py says how); ``--scheduler ray`` the same two on a Ray cluster of
+this machine, against the local scheduler (benchmarks/recovery_ray.py).
 """
 
 from __future__ import annotations
@@ -284,12 +285,13 @@ def main() -> None:
     )
     parser.add_argument(
         "--scheduler",
-        choices=("local", "slurm"),
+        choices=("local", "slurm", "ray"),
         default="local",
-        help="slurm: planaria run inside an allocation against srun torchrun (recovery_slurm.py)",
+        help="slurm: planaria run inside an allocation against srun torchrun "
+        "(recovery_slurm.py); ray: on a Ray cluster against the local scheduler (recovery_ray.py)",
     )
     parser.add_argument(
-        "--procs-per-node", type=int, default=1, help="workers per node (--scheduler slurm)"
+        "--procs-per-node", type=int, default=1, help="workers per node (--scheduler slurm or ray)"
     )
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still sweeps the trial
@@ -299,8 +301,38 @@ def main() -> None:
 
         recovery_slurm.main(args)
         return
+    if args.scheduler == "ray":
+        import recovery_ray  # here: only this variant needs Ray
+
+        recovery_ray.main(args)
+        return
     with leftovers.Sweeper() as sweeper:  # checks at the end even if the benchmark fails
         compare(args, sweeper)
+
+
+def interleave(
+    count: int, runners: dict[str, Callable[[Path], Trial]], sweeper: leftovers.Sweeper
+) -> dict[str, list[Trial]]:
+    """``count`` trials of each runner, interleaved (machine drift hits all alike), each in a
+    work directory of its own and swept after it; each printed as it ends."""
+    trials: dict[str, list[Trial]] = {name: [] for name in runners}
+    width = max(len(name) for name in runners) + 2
+    for trial in range(count):
+        for name, runner in runners.items():
+            work = Path(tempfile.mkdtemp(prefix="planaria-bench-"))
+            try:
+                with sweeper.trial(f"trial {trial + 1}: {name}"):
+                    result = runner(work)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+            trials[name].append(result)
+            shown = f"{result.mttr:.2f}s" if result.ok and result.mttr is not None else "failed"
+            note = f"  {result.note}" if not result.ok and result.note else ""
+            print(
+                f"trial {trial + 1}: {name:<{width}} MTTR {shown}  (wall {result.wall:.1f}s){note}",
+                flush=True,
+            )
+    return trials
 
 
 def compare(args: argparse.Namespace, sweeper: leftovers.Sweeper) -> None:
@@ -310,20 +342,7 @@ def compare(args: argparse.Namespace, sweeper: leftovers.Sweeper) -> None:
         "torchrun (defaults)": lambda work: run_torchrun(args, work, workaround=False),
         "torchrun (workaround)": lambda work: run_torchrun(args, work, workaround=True),
     }
-    trials: dict[str, list[Trial]] = {name: [] for name in runners}
-    for trial in range(args.trials):
-        for name, runner in runners.items():  # interleaved: machine drift hits all alike
-            work = Path(tempfile.mkdtemp(prefix="planaria-bench-"))
-            try:
-                with sweeper.trial(f"trial {trial + 1}: {name}"):
-                    result = runner(work)
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
-            trials[name].append(result)
-            shown = f"{result.mttr:.2f}s" if result.ok and result.mttr is not None else "failed"
-            print(
-                f"trial {trial + 1}: {name:<24} MTTR {shown}  (wall {result.wall:.1f}s)", flush=True
-            )
+    trials = interleave(args.trials, runners, sweeper)
 
     print()
     planaria = summarise("planaria run", trials["planaria run"])

@@ -36,7 +36,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -173,6 +172,12 @@ def _note(ok: bool, output: str) -> str:
     return HANG.strip() if output.endswith(HANG) else common._last_error(output)
 
 
+def rank0_log(work: Path) -> str:
+    """What rank 0 of the ``planaria run`` in ``work`` logged so far."""
+    found = next(work.glob("planaria-runs/*/logs/rank-0.log"), None)
+    return found.read_text(errors="replace") if found else ""
+
+
 def measure(rank0: str, struck: float | None, ok: bool, wall: float, note: str) -> common.Trial:
     """MTTR from ``struck`` to rank 0's first step after it resumed; steps lost: the steps
     rank 0 had done by then that it did again."""
@@ -209,15 +214,11 @@ def run_planaria(args: argparse.Namespace, work: Path, node_loss: bool) -> commo
             "diagnosis": {"checks": []},
         }
         if not node_loss:
-            config["chaos"] = [{"kind": "kill_worker", "rank": 1, "at_step": args.kill_at}]
+            config["chaos"] = json.loads(common.chaos(args))
         (work / "job.yaml").write_text(json.dumps(config))
 
-        def rank0() -> str:
-            found = next(work.glob("planaria-runs/*/logs/rank-0.log"), None)
-            return found.read_text(errors="replace") if found else ""
-
         def cancel_node() -> float | None:
-            if last_step(rank0()) < args.kill_at:
+            if last_step(rank0_log(work)) < args.kill_at:
                 return None
             out = slurm("squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j|%N", check=False)
             steps = [line.split("|") for line in out.splitlines() if line.count("|") == 2]
@@ -240,7 +241,7 @@ def run_planaria(args: argparse.Namespace, work: Path, node_loss: bool) -> commo
         killed = next(work.glob("planaria-runs/*/logs/rank-1.log"), None)
         kill = common.KILL.search(killed.read_text(errors="replace")) if killed else None
         struck = float(kill["t"]) if kill else None
-    return measure(rank0(), struck, ok, wall, note)
+    return measure(rank0_log(work), struck, ok, wall, note)
 
 
 def _free_port() -> int:
@@ -350,8 +351,39 @@ def run_torchrun(
     return measure(output, struck, ok, wall, note)
 
 
-def _ratio(a: object, b: object) -> float | None:
-    return a / b if isinstance(a, float) and isinstance(b, float) and b else None
+def fault_table(
+    figures: dict[str, dict[str, object]], mine: tuple[str, str, str], theirs: tuple[str, str, str]
+) -> dict[str, object]:
+    """Print MTTR per fault (worker kill, node loss) of two kinds of run and their ratio; returns
+    the figures for the JSON. ``mine`` and ``theirs``: the column's heading, its name in the
+    JSON keys, and its runners' names after ``kill: `` / ``node: ``."""
+
+    def shown(value: object) -> str:
+        return f"{value:.2f}s" if isinstance(value, float) else "failed"
+
+    print(f"{'fault':<12} {mine[0]:>14} {theirs[0]:>14} {'ratio':>8}")
+    result: dict[str, object] = {}
+    for fault, key, prefix in (
+        ("worker kill", "kill", "worker_kill"),
+        ("node loss", "node", "node_loss"),
+    ):
+        a, b = figures[f"{key}: {mine[2]}"], figures[f"{key}: {theirs[2]}"]
+        ratio = (
+            a["mttr"] / b["mttr"]
+            if isinstance(a["mttr"], float) and isinstance(b["mttr"], float) and b["mttr"]
+            else None
+        )
+        shown_ratio = "-" if ratio is None else f"{ratio:.2f}"
+        print(f"{fault:<12} {shown(a['mttr']):>14} {shown(b['mttr']):>14} {shown_ratio:>8}")
+        result |= {
+            f"{prefix}_{mine[1]}_mttr_s": a["mttr"],
+            f"{prefix}_{theirs[1]}_mttr_s": b["mttr"],
+            f"{prefix}_ratio": ratio,
+            f"{prefix}_steps_lost": a["steps_lost"],
+            f"{prefix}_{mine[1]}_failed": a["failed"],
+            f"{prefix}_{theirs[1]}_failed": b["failed"],
+        }
+    return result
 
 
 def _interrupted(signum: int, frame: object) -> None:
@@ -377,49 +409,18 @@ def compare(
     sweeper: leftovers.Sweeper,
 ) -> None:
     """The trials on the cluster and the report."""
-    trials: dict[str, list[common.Trial]] = {name: [] for name in runners}
     with cluster():
-        for trial in range(args.trials):
-            for name, runner in runners.items():  # interleaved, as for the local scheduler
-                work = Path(tempfile.mkdtemp(prefix="planaria-bench-"))
-                try:
-                    with sweeper.trial(f"trial {trial + 1}: {name}"):
-                        result = runner(work)
-                finally:
-                    shutil.rmtree(work, ignore_errors=True)
-                trials[name].append(result)
-                shown = f"{result.mttr:.2f}s" if result.ok and result.mttr is not None else "failed"
-                print(
-                    f"trial {trial + 1}: {name:<28} MTTR {shown}  (wall {result.wall:.1f}s)",
-                    flush=True,
-                )
+        trials = common.interleave(args.trials, runners, sweeper)
     print()
     figures = {name: common.summarise(name, found) for name, found in trials.items()}
     print(f"node loss, torchrun: {TORCHRUN_NODE_LOSS}; planaria: scancel of the node's step")
     print()
-    print(f"{'fault':<12} {'planaria run':>14} {'torchrun':>14} {'ratio':>8}")
     result: dict[str, object] = {"scheduler": "slurm", "trials": args.trials}
-    for fault, key in (("worker kill", "kill"), ("node loss", "node")):
-        mine = figures[f"{key}: planaria run"]
-        theirs = figures[f"{key}: torchrun (workaround)"]
-        ratio = _ratio(mine["mttr"], theirs["mttr"])
-
-        def shown(value: object) -> str:
-            return f"{value:.2f}s" if isinstance(value, float) else "failed"
-
-        print(
-            f"{fault:<12} {shown(mine['mttr']):>14} {shown(theirs['mttr']):>14} "
-            f"{'-' if ratio is None else f'{ratio:.2f}':>8}"
-        )
-        prefix = "worker_kill" if key == "kill" else "node_loss"
-        result |= {
-            f"{prefix}_planaria_mttr_s": mine["mttr"],
-            f"{prefix}_torchrun_mttr_s": theirs["mttr"],
-            f"{prefix}_ratio": ratio,
-            f"{prefix}_steps_lost": mine["steps_lost"],
-            f"{prefix}_planaria_failed": mine["failed"],
-            f"{prefix}_torchrun_failed": theirs["failed"],
-        }
+    result |= fault_table(
+        figures,
+        ("planaria run", "planaria", "planaria run"),
+        ("torchrun", "torchrun", "torchrun (workaround)"),
+    )
     result["worker_kill_torchrun_default_mttr_s"] = figures["kill: torchrun (defaults)"]["mttr"]
     result["worker_kill_torchrun_default_failed"] = figures["kill: torchrun (defaults)"]["failed"]
     result["node_loss_torchrun_fault"] = TORCHRUN_NODE_LOSS

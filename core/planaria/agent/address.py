@@ -6,12 +6,19 @@ is no guide: on many machines it resolves to ``127.0.0.1`` (``/etc/hosts``), and
 network namespace or a container it names an address of another network entirely. The local
 address of the route towards the master is: the master is reached over the cluster's network,
 and so, on any sane network, are the node's peers.
+
+The port it advertises for torch.distributed's store is picked below the kernel's ephemeral
+range: a port from that range that is free when picked can be taken as the source port of an
+outgoing connection before the store binds it (a Ray node on this machine opens such
+connections by the dozen as its workers start), and the workers then fail on ``EADDRINUSE``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import ipaddress
+import random
 import socket
 import struct
 from collections.abc import Mapping
@@ -27,6 +34,29 @@ GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 
 _SIOCGIFADDR = 0x8915
 _IF_INET6 = Path("/proc/net/if_inet6")
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+STORE_PORTS_LOW = 20000
+"""The lowest port picked for torch.distributed's store (Ray's workers bind 10002-19999)."""
+
+
+def free_port(addr: str) -> int:
+    """A port nothing listens at on ``addr`` now, below the ephemeral range where there is
+    room for one (see the module's docstring), else one the kernel gives."""
+    try:
+        ephemeral_low = int(_EPHEMERAL.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    for _ in range(64 if ephemeral_low > STORE_PORTS_LOW else 0):
+        port = random.randrange(STORE_PORTS_LOW, ephemeral_low)
+        with (
+            socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock,
+            contextlib.suppress(OSError),
+        ):
+            sock.bind((addr, port))
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((addr, 0))
+        return int(sock.getsockname()[1])
 
 
 def route_source(host: str, port: int = 9) -> str:

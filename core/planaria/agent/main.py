@@ -11,14 +11,13 @@ import asyncio
 import concurrent.futures
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 from planaria.agent import address
-from planaria.agent.address import ADDR_ENV
+from planaria.agent.address import ADDR_ENV, free_port
 from planaria.agent.checkpoints import NodeCheckpoints
 from planaria.agent.client import Fenced, MasterClient, MasterUnreachable
 from planaria.agent.preflight import preflight
@@ -70,12 +69,6 @@ def node_address(master_url: str) -> str:
     loopback (every node is on this machine), else the local address of the route to the
     master (see :mod:`planaria.agent.address`)."""
     return address.node_address(urlparse(master_url).hostname or "", os.environ.get(ADDR_ENV))
-
-
-def free_port(addr: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((addr, 0))
-        return int(sock.getsockname()[1])
 
 
 def worker_env(

@@ -243,7 +243,8 @@ def _exit_event(node_id: str, returncode: int, adopted: bool = False) -> NodeEve
     return NodeEvent(node_id=node_id, state=NodeState.LOST, reason=f"killed by {name}")
 
 
-def _open_log(log_dir: Path, node_id: str) -> int:
+def open_node_log(log_dir: Path, node_id: str) -> int:
+    """``<log_dir>/<node_id>.log``, 0600, appended: where a node's agent writes."""
     log_dir.mkdir(parents=True, exist_ok=True)
     path = log_dir / f"{node_id}.log"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
@@ -560,7 +561,7 @@ class LocalScheduler(Scheduler[LocalOptions]):
     def _start(self, spec: LaunchSpec, host: str, node_id: str) -> _Node:
         env = {**os.environ, **spec.env, "PLANARIA_NODE_ID": node_id, "PLANARIA_HOST": host}
         try:
-            log_fd = None if spec.log_dir is None else _open_log(spec.log_dir, node_id)
+            log_fd = None if spec.log_dir is None else open_node_log(spec.log_dir, node_id)
         except OSError as exc:
             raise SchedulerError(
                 f"cannot open the log of {node_id} in {spec.log_dir}: {exc}"

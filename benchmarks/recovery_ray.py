@@ -1,0 +1,146 @@
+"""``recovery.py --scheduler ray``: the same measure on a real Ray cluster, two faults, against
+the local scheduler in the same run.
+
+The cluster is the one of the Ray plugin's tests (:class:`planaria_ray.testing.LocalCluster`:
+a head and three worker raylets on this machine, all on loopback), started here and shut down
+at the end. The job (examples/train_gpt.py, 2 nodes x ``--procs-per-node`` over gloo) runs
+under ``scheduler.backend: ray`` on 2 of the 3 worker raylets, the third is the spare, and
+under the local scheduler (2 nodes on this machine) as the baseline.
+
+- worker kill: ``PLANARIA_CHAOS`` kills rank 1 at ``--kill-at``, under both.
+- node loss: once rank 0 logged step ``--kill-at``, the raylet of node-1's Ray node is
+  SIGKILLed (its actor, agent and workers die with it; the master replaces the node on the
+  spare). Under the local scheduler node-1's agent and its workers are SIGKILLed (found
+  through /proc by the trial's marker and ``PLANARIA_NODE_ID``), what a dying node does to them.
+  The cluster gets a new raylet after each node loss, so every trial has its spare.
+
+MTTR: from the fault to the first step rank 0 logs after it resumed (as recovery_slurm.py).
+Every run has a marker of its own (:mod:`planaria.leftovers`); the cluster's daemons carry
+none, the actors carry the run's (the scheduler passes it on). After each run whatever
+carries it is killed and named, and the end checks all of them (``left_behind``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import recovery as common
+import recovery_slurm as shared
+
+from planaria import leftovers
+from planaria.protocol import NODE_ID_ENV
+from planaria_ray.testing import AGENT, LocalCluster
+
+
+def run(
+    args: argparse.Namespace, work: Path, cluster: LocalCluster | None, node_loss: bool
+) -> common.Trial:
+    """One ``planaria run``: on the Ray cluster, or (``cluster`` None) the local scheduler."""
+    config: dict[str, object] = {
+        "job": {
+            "name": "bench",
+            "command": [sys.executable, *common.train_args(args, work / "ckpt")],
+            "nodes": 2,
+            "procs_per_node": args.procs_per_node,
+            "max_restarts": 3,
+        },
+        "diagnosis": {"checks": []},
+        "master": {"heartbeat_interval": "1s", "heartbeat_timeout": "15s"},
+    }
+    if cluster is not None:
+        options = {"address": cluster.address, "resources": AGENT, "stop_grace": "1s"}
+        config["scheduler"] = {"backend": "ray", "options": options}
+    if not node_loss:
+        config["chaos"] = json.loads(common.chaos(args))
+    (work / "job.yaml").write_text(json.dumps(config))
+
+    def lose_node() -> float | None:
+        if shared.last_step(shared.rank0_log(work)) < args.kill_at:
+            return None
+        if cluster is None:
+            struck = time.time()
+            return struck if kill_local_node("node-1") else None
+        (run_dir,) = work.glob("planaria-runs/*")
+        victim = cluster.ray_node_of(run_dir, "node-1")
+        struck = time.time()
+        cluster.kill_raylet(victim)
+        return struck
+
+    planaria = str(Path(sys.executable).parent / "planaria")
+    started = time.time()
+    try:
+        ok, output, struck = shared.launch(
+            [planaria, "run", str(work / "job.yaml")], work, dict(os.environ),
+            args.timeout, lose_node if node_loss else None,
+        )  # fmt: skip
+    finally:
+        if cluster is not None and node_loss:
+            cluster.add_node()  # the spare for the next trial
+    wall = time.time() - started
+    note = shared._note(ok, output)
+    if not node_loss:
+        killed = next(work.glob("planaria-runs/*/logs/rank-1.log"), None)
+        kill = common.KILL.search(killed.read_text(errors="replace")) if killed else None
+        struck = float(kill["t"]) if kill else None
+    return shared.measure(shared.rank0_log(work), struck, ok, wall, note)
+
+
+def kill_local_node(node_id: str) -> bool:
+    """SIGKILL every process of this run (its marker) that belongs to ``node_id``."""
+    marker = os.environ.get(leftovers.VARIABLE, "")
+    wanted = {f"{leftovers.VARIABLE}={marker}".encode(), f"{NODE_ID_ENV}={node_id}".encode()}
+    doomed = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and wanted <= set(shared._environ(proc.name)):
+            doomed.append(int(proc.name))
+    for pid in doomed:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return bool(doomed)
+
+
+def main(args: argparse.Namespace) -> None:
+    signal.signal(signal.SIGTERM, shared._interrupted)  # so that the cluster is shut down
+    with leftovers.Sweeper() as sweeper:  # checks at the end even if the benchmark fails
+        print("starting a Ray cluster of 4 nodes on loopback", flush=True)
+        cluster = LocalCluster(workers=3)
+        try:
+            trials = compare(args, cluster, sweeper)
+        finally:
+            cluster.shutdown()
+        report(args, trials, sweeper)
+
+
+def compare(
+    args: argparse.Namespace, cluster: LocalCluster, sweeper: leftovers.Sweeper
+) -> dict[str, list[common.Trial]]:
+    """The trials, interleaved."""
+    runners: dict[str, Callable[[Path], common.Trial]] = {
+        "kill: ray": lambda w: run(args, w, cluster, node_loss=False),
+        "kill: local": lambda w: run(args, w, None, node_loss=False),
+        "node: ray": lambda w: run(args, w, cluster, node_loss=True),
+        "node: local": lambda w: run(args, w, None, node_loss=True),
+    }
+    return common.interleave(args.trials, runners, sweeper)
+
+
+def report(
+    args: argparse.Namespace, trials: dict[str, list[common.Trial]], sweeper: leftovers.Sweeper
+) -> None:
+    figures = {name: common.summarise(name, found) for name, found in trials.items()}
+    print()
+    print("node loss, ray: SIGKILL of node-1's raylet; local: SIGKILL of node-1's agent+workers")
+    result: dict[str, object] = {"scheduler": "ray", "trials": args.trials}
+    result |= shared.fault_table(figures, ("ray", "ray", "ray"), ("local", "local", "local"))
+    left = sweeper.final()
+    result["survivors_killed"] = len(sweeper.killed)
+    result["left_behind"] = len(left)
+    print(json.dumps(result))
