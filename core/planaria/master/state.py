@@ -117,7 +117,7 @@ class _Deadlines:
                 waiter.set_result(None)
 
 
-SLOT = 0.02
+SLOT = 0.005
 _DEADLINES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Deadlines] = (
     weakref.WeakKeyDictionary()
 )
