@@ -174,7 +174,7 @@ def test_a_node_waiting_in_a_join_is_not_silent(tmp_path, hold):
         join = {"node_id": "node-0", "addr": "127.0.0.1", "port": 40000}
         while time.monotonic() < deadline:
             async with session.post(url + "/rendezvous/join", json=join, headers=AUTH) as r:
-                if r.status != 200:
+                if r.status != 200 or (await r.json())["state"] != "wait":
                     break
         await beating
         lost = master.nodes["node-0"].phase.value == "lost"

@@ -143,7 +143,13 @@ def ended(run_dir: Path, events: list[JobEvent]) -> JobStatus:
     world = rounds.get("world") or {}
     state = str(job.get("state", JobState.STARTING.value))
     reason = str(job.get("reason", ""))
-    if not JobState(state).terminal:
+    try:
+        known = JobState(state)
+    except ValueError:
+        raise StatusError(
+            f"the journal of {run_dir} says the job is {state!r}: not a state this planaria knows"
+        ) from None
+    if not known.terminal:
         reason = (
             f"its master is gone (the job was {state} when it last wrote its journal): "
             f"resume it with planaria run --resume {run_dir}"

@@ -157,7 +157,7 @@ def resolve_nproc(value: str) -> int:
     ``gpu`` (its CUDA devices) or ``auto`` (the GPUs if there are any, else the CPUs). Counted
     on the machine that runs ``planaria run``, which with the local scheduler is every node."""
     text = value.strip().lower()
-    if text.isdigit():
+    if text.isascii() and text.isdecimal():
         count = int(text[-7:]) if len(text) <= 7 else MAX_PROCS_PER_NODE + 1
     elif text in ("cpu", "gpu", "auto"):
         gpus = _cuda_devices() if text != "cpu" else 0

@@ -232,6 +232,8 @@ class Diagnosis:
         would pay n times the O(n log n) comparison."""
         # A large job is checked less often: the sort stays well under 1% of the master's time.
         every = max(every, len(self._times) / 2000)
+        if self._times_round != self.job.round or not self.job.training:
+            return  # the times are an earlier round's: its ranks may be others now
         if not self._times_changed or now - self._checked_at < every:
             return
         world = next(iter(self.job.world.values()), None)

@@ -11,6 +11,9 @@
   (measured by ``benchmarks/control_plane.py``: 1,100 heartbeats a second with them, 6,600
   without). So what exists once the API serves is frozen out of the collector's sight
   (``gc.freeze``) and collections run less often; cycles are still collected.
+
+Both are the whole process's settings, left in place: ``planaria run`` is the master's own
+process. A program that runs a master in its own process takes them along.
 """
 
 from __future__ import annotations

@@ -364,6 +364,7 @@ class RayScheduler(Scheduler[RayOptions]):
                     where = ray.get(ref)
                 except Exception as exc:
                     self._report(node, NodeState.FAILED, _why(exc))
+                    self._kill(node)  # its actor must not hold the Ray node's resources
                     continue
                 self._events.append(NodeEvent(node_id=node.node_id, state=NodeState.RUNNING))
                 log.info("node running", node=node.node_id, **where)
