@@ -177,7 +177,8 @@ class Agent:
     """Round -> when this agent first asked to join after the previous one ended."""
     silent: bool = False
     beats: list[tuple[float, float]] = field(default_factory=list)
-    """(sent, latency beyond the hold) of each heartbeat long poll that came back with nothing."""
+    """(answered, latency beyond the hold) of each heartbeat long poll that came back with
+    nothing (monotonic clock)."""
 
     async def register(self) -> None:
         body = {
@@ -228,7 +229,7 @@ class Agent:
             if status != 200:
                 raise Rejected(f"{self.node_id}: heartbeat answered {status}: {raw!r}")
             if b'"kind":"none"' in raw:
-                self.beats.append((sent, max(0.0, took - HOLD)))
+                self.beats.append((sent + took, max(0.0, took - HOLD)))
                 continue
             action = json.loads(raw)["action"]
             return str(action["kind"])
@@ -354,6 +355,19 @@ async def wait_for(condition, timeout: float, what: str) -> None:  # type: ignor
         await asyncio.sleep(0.02)
 
 
+def beat_rate(agents: list[Agent], t0: float, t1: float) -> float:
+    """Heartbeats per second about [t0, t1]: the sum of each agent's own rate, from the first
+    to the last of its beats answered from a hold before ``t0`` to ``t1`` (the beats are steady
+    from the round on). Agents beat in step, each once per hold, so a plain count over a short
+    window is off by up to one beat per agent."""
+    total = 0.0
+    for agent in agents:
+        times = [answered for answered, _ in agent.beats if t0 - HOLD <= answered <= t1]
+        if len(times) >= 2 and times[-1] > times[0]:
+            total += (len(times) - 1) / (times[-1] - times[0])
+    return total
+
+
 def say(n: int, what: str) -> None:
     print(f"[{n} agents] {what}", file=sys.stderr, flush=True)
 
@@ -387,14 +401,14 @@ async def measure(n: int, beat_window: float, root: Path) -> dict[str, float | i
         cpu0, t0 = master.cpu_s(), time.monotonic()
         await asyncio.sleep(beat_window)
         cpu1, t1 = master.cpu_s(), time.monotonic()
-        window = [
-            late for a in agents for sent, late in a.beats if t0 <= sent and sent + HOLD <= t1
-        ]
+        # Beats answered within the window: each agent's come once per hold (and latency)
+        # wherever the window falls, which beats sent within it do not, the agents being in step.
+        window = [late for a in agents for answered, late in a.beats if t0 <= answered <= t1]
+        rate = beat_rate(agents, t0, t1)
         rss, _ = master.memory_mib()
         say(
             n,
-            f"heartbeats: {len(window) / (t1 - HOLD - t0):.0f}/s, "
-            f"CPU {(cpu1 - cpu0) / (t1 - t0):.2f}/s",
+            f"heartbeats: {rate:.0f}/s, CPU {(cpu1 - cpu0) / (t1 - t0):.2f}/s",
         )
 
         # A restart round: one agent's worker fails, every node restarts in place.
@@ -449,7 +463,6 @@ async def measure(n: int, beat_window: float, root: Path) -> dict[str, float | i
             if isinstance(e["data"], dict) and e["data"].get("fault") == "node_lost"
         )
         _, peak = master.memory_mib()
-        rate = len(window) / (t1 - HOLD - t0)  # beats sent in [t0, t1 - HOLD]
         return {
             "agents": n,
             "startup_s": round(startup_s, 3),

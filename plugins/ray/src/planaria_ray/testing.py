@@ -84,7 +84,7 @@ class LocalCluster:
             os.environ.clear()
             os.environ.update(saved)
 
-    def _ports(self) -> dict[str, int]:
+    def _ports(self) -> dict[str, Any]:
         """Each node's own worker ports, away from the rendezvous' (see ``worker_ports``)."""
         self.started += 1
         return worker_ports(self.started - 1)
@@ -126,5 +126,5 @@ class LocalCluster:
     def shutdown(self) -> None:
         with contextlib.suppress(Exception):
             import_ray().shutdown()
-        self.cluster.shutdown()
+        self.cluster.shutdown()  # type: ignore[no-untyped-call]
         shutil.rmtree(self.home, ignore_errors=True)
