@@ -17,7 +17,7 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "control_plane.p
 @pytest.mark.slow
 def test_the_control_plane_benchmark_goes_through_every_phase(tmp_path):
     bench = subprocess.Popen(
-        [sys.executable, str(BENCH), "--agents", "8", "20", "--beat-window", "2"],
+        [sys.executable, str(BENCH), "--agents", "8", "20", "--beat-window", "3"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
