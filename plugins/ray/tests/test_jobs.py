@@ -6,7 +6,6 @@ without a fault. A killed worker restarts in place and restores from memory."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from planaria.testing.jobs import final_weights, job_events, run_planaria, wait_for
 from planaria_ray.testing import AGENT, LocalCluster
 
 torch = pytest.importorskip("torch")
@@ -57,40 +57,6 @@ def on_ray(address: str, **options: object) -> dict[str, Any]:
     }
 
 
-def planaria(where: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "planaria", *args],
-        cwd=where,
-        env={**os.environ, "COLUMNS": "200"},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def events(where: Path) -> list[dict]:
-    found = []
-    for timeline in where.glob("planaria-runs/*/events.jsonl"):
-        found += [json.loads(line) for line in timeline.read_text().splitlines()]
-    return found
-
-
-def weights(where: Path) -> dict:
-    (path,) = where.glob("final.pt")
-    return torch.load(path, weights_only=True, map_location="cpu")
-
-
-def wait_for(what: str, predicate, timeout: float = 120.0, every: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} did not happen within {timeout:g}s")
-        time.sleep(every)
-
-
 @contextlib.contextmanager
 def paused_run(where: Path, config: Path, cluster: LocalCluster) -> Iterator[subprocess.Popen]:
     """``planaria run`` of ``config`` in ``where``, rank 0 stopping itself at step 10 (so that
@@ -124,9 +90,9 @@ def paused_run(where: Path, config: Path, cluster: LocalCluster) -> Iterator[sub
 def clean_weights(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The same job without a fault, on the local scheduler (2 nodes of 1 worker)."""
     where = tmp_path_factory.mktemp("clean")
-    done = planaria(where, "run", str(job(where)))
+    done = run_planaria(where, "run", str(job(where)))
     assert done.returncode == 0, done.stdout + done.stderr
-    return weights(where)
+    return final_weights(where)
 
 
 def test_a_ray_node_whose_raylet_is_killed_is_replaced_on_the_free_node(
@@ -146,7 +112,7 @@ def test_a_ray_node_whose_raylet_is_killed_is_replaced_on_the_free_node(
         ray_cluster.kill_raylet(victim)
 
         def replaced() -> dict | None:
-            return next((e for e in events(tmp_path) if e["kind"] == "node_replaced"), None)
+            return next((e for e in job_events(tmp_path) if e["kind"] == "node_replaced"), None)
 
         event = wait_for("the replacement", replaced)
         took = time.monotonic() - killed
@@ -158,13 +124,13 @@ def test_a_ray_node_whose_raylet_is_killed_is_replaced_on_the_free_node(
     assert data["replacement_host"] == free.pop(), event  # the free node, not the lost one
     lost = [
         e
-        for e in events(tmp_path)
+        for e in job_events(tmp_path)
         if e["kind"] == "fault_detected" and e["data"].get("fault") == "node_lost"
     ]
-    assert lost, [e["kind"] for e in events(tmp_path)]
-    restored = [e for e in events(tmp_path) if e["kind"] == "rendezvous_completed"]
+    assert lost, [e["kind"] for e in job_events(tmp_path)]
+    restored = [e for e in job_events(tmp_path) if e["kind"] == "rendezvous_completed"]
     assert restored[-1]["data"]["restore"] == "storage", restored[-1]
-    final = weights(tmp_path)
+    final = final_weights(tmp_path)
     assert final.keys() == clean_weights.keys()
     assert all(torch.equal(final[k], clean_weights[k]) for k in final)
 
@@ -174,11 +140,11 @@ def test_a_killed_worker_restarts_in_place_and_restores_from_memory(
 ) -> None:
     config = job(tmp_path, on_ray(ray_address))
     chaos = ["--set", 'chaos=[{"kind": "kill_worker", "rank": 1, "at_step": 10}]']
-    done = planaria(tmp_path, "run", str(config), *chaos)
+    done = run_planaria(tmp_path, "run", str(config), *chaos)
     assert done.returncode == 0, done.stdout + done.stderr
-    kinds = [e["kind"] for e in events(tmp_path)]
+    kinds = [e["kind"] for e in job_events(tmp_path)]
     assert "node_replaced" not in kinds, kinds
-    timeline = events(tmp_path)
+    timeline = job_events(tmp_path)
     (kill,) = [
         i
         for i, e in enumerate(timeline)
@@ -189,14 +155,14 @@ def test_a_killed_worker_restarts_in_place_and_restores_from_memory(
     # one of Ray's processes, is a worker failure the master restarts like any.)
     after = next(e for e in timeline[kill:] if e["kind"] == "rendezvous_completed")
     assert after["data"]["restore"].startswith("memory:"), after
-    final = weights(tmp_path)
+    final = final_weights(tmp_path)
     assert all(torch.equal(final[k], clean_weights[k]) for k in final)
 
 
 def test_resources_no_ray_node_has_are_refused_at_once(tmp_path: Path, ray_address: str) -> None:
     config = job(tmp_path, on_ray(ray_address, resources={"NPU": 8}))
     started = time.monotonic()
-    done = planaria(tmp_path, "run", str(config), timeout=60)
+    done = run_planaria(tmp_path, "run", str(config), timeout=60)
     assert done.returncode == 2, done.stdout + done.stderr
     assert time.monotonic() - started < 30
     assert "scheduler.options" in done.stderr + done.stdout
@@ -206,7 +172,7 @@ def test_resources_no_ray_node_has_are_refused_at_once(tmp_path: Path, ray_addre
 def test_an_unreachable_cluster_is_refused_at_once(tmp_path: Path) -> None:
     config = job(tmp_path, on_ray("127.0.0.1:1"))
     started = time.monotonic()
-    done = planaria(tmp_path, "run", str(config), timeout=60)
+    done = run_planaria(tmp_path, "run", str(config), timeout=60)
     assert done.returncode == 2, done.stdout + done.stderr
     assert time.monotonic() - started < 30
     assert "cannot reach the Ray cluster at 127.0.0.1:1" in done.stderr + done.stdout

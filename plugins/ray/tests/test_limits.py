@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_jobs import events, job, on_ray, paused_run, wait_for
+from test_jobs import job, on_ray, paused_run
 
+from planaria.testing.jobs import job_events, wait_for
 from planaria_ray.testing import LocalCluster
 
 pytest.importorskip("torch")
@@ -48,7 +49,7 @@ def test_a_lost_node_with_no_free_ray_node_shrinks_an_elastic_job(
     and ends well."""
     config = job(tmp_path, on_ray(ray_cluster.address), nodes="2:3")
     with paused_run(tmp_path, config, ray_cluster) as run:
-        (round_,) = [e for e in events(tmp_path) if e["kind"] == "rendezvous_completed"][-1:]
+        (round_,) = [e for e in job_events(tmp_path) if e["kind"] == "rendezvous_completed"][-1:]
         ranks = round_["data"]["ranks"]
         assert len(ranks) == 3, round_
         victim_node = next(n for n, rank in ranks.items() if rank != 0)
@@ -56,7 +57,7 @@ def test_a_lost_node_with_no_free_ray_node_shrinks_an_elastic_job(
         ray_cluster.kill_raylet(ray_cluster.ray_node_of(run_dir, victim_node))
 
         def failed() -> dict | None:
-            found = (e for e in events(tmp_path) if e["kind"] == "node_replacement_failed")
+            found = (e for e in job_events(tmp_path) if e["kind"] == "node_replacement_failed")
             return next(found, None)
 
         event = wait_for("the replacement's failure", failed)
@@ -64,5 +65,5 @@ def test_a_lost_node_with_no_free_ray_node_shrinks_an_elastic_job(
     assert run.returncode == 0, output
     assert event["data"]["nodes_left"] == 2, event
     assert "no free Ray node" in event["data"]["error"], event
-    last = [e for e in events(tmp_path) if e["kind"] == "rendezvous_completed"][-1]
+    last = [e for e in job_events(tmp_path) if e["kind"] == "rendezvous_completed"][-1]
     assert last["data"]["world_size"] == 2, last

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from conftest import slurm
 from planaria_slurm import SlurmOptions, SlurmScheduler
-from test_jobs import job, planaria, wait_for
+from test_jobs import job
 
 from planaria.plugin import LaunchSpec, NodeState
+from planaria.testing.jobs import run_planaria, wait_for
 
 
 @pytest.mark.usefixtures("slurm_cluster")
@@ -32,7 +33,7 @@ def test_dry_run_prints_the_batch_script(tmp_path: Path) -> None:
     config = job(tmp_path, {"backend": "slurm", "options": options}, nodes="2:4")
     (tmp_path / ".planaria").mkdir()
     (tmp_path / ".planaria" / "slurm-bad-nodes").write_text("node9 ECC errors\nnode3 lost\n")
-    done = planaria(tmp_path, "submit", "--dry-run", str(config), "--set", "job.max_restarts=5")
+    done = run_planaria(tmp_path, "submit", "--dry-run", str(config), "--set", "job.max_restarts=5")
     assert done.returncode == 0, done.stderr
     script = done.stdout
     assert script.startswith("#!/bin/sh\n")
@@ -62,7 +63,7 @@ def test_dry_run_prints_the_batch_script(tmp_path: Path) -> None:
 
 def test_an_option_that_is_not_one_word_is_refused(tmp_path: Path) -> None:
     config = job(tmp_path, {"backend": "slurm", "options": {"partition": "debug; rm -rf ~"}})
-    done = planaria(tmp_path, "submit", "--dry-run", str(config))
+    done = run_planaria(tmp_path, "submit", "--dry-run", str(config))
     assert done.returncode == 2
     assert "scheduler.options.partition" in done.stderr
 
@@ -72,7 +73,7 @@ def test_run_outside_an_allocation_is_a_clear_error(tmp_path: Path) -> None:
     config = job(tmp_path, {"backend": "slurm"})
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_JOB")}
     env["SLURM_JOB_ID"] = ""
-    done = planaria(tmp_path, "run", str(config), env=env)
+    done = run_planaria(tmp_path, "run", str(config), env=env)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "not inside a Slurm allocation" in done.stderr
     assert "planaria submit" in done.stderr
@@ -81,7 +82,7 @@ def test_run_outside_an_allocation_is_a_clear_error(tmp_path: Path) -> None:
 @pytest.mark.usefixtures("slurm_cluster")
 def test_an_unknown_partition_is_a_config_error(tmp_path: Path) -> None:
     config = job(tmp_path, {"backend": "slurm", "options": {"partition": "nosuch"}})
-    done = planaria(tmp_path, "submit", str(config))
+    done = run_planaria(tmp_path, "submit", str(config))
     assert done.returncode == 2, done.stdout + done.stderr
     assert "scheduler.options.partition" in done.stderr
     assert "no partition 'nosuch'" in done.stderr
@@ -93,7 +94,7 @@ def test_a_refused_sbatch_is_an_error_with_slurm_s_message(tmp_path: Path) -> No
     config = job(tmp_path, {"backend": "slurm", "options": {"spares": 1}}, nodes=3)
     (tmp_path / ".planaria").mkdir()
     (tmp_path / ".planaria" / "slurm-bad-nodes").write_text("node2 lost\n")
-    done = planaria(tmp_path, "submit", str(config))
+    done = run_planaria(tmp_path, "submit", str(config))
     assert done.returncode == 2, done.stdout + done.stderr
     assert "sbatch" in done.stderr
     assert "Requested node configuration is not available" in done.stderr
@@ -101,7 +102,7 @@ def test_a_refused_sbatch_is_an_error_with_slurm_s_message(tmp_path: Path) -> No
 
 
 def test_a_scheduler_that_starts_its_own_nodes_cannot_submit(tmp_path: Path) -> None:
-    done = planaria(tmp_path, "submit", "--dry-run", str(job(tmp_path)))
+    done = run_planaria(tmp_path, "submit", "--dry-run", str(job(tmp_path)))
     assert done.returncode == 2
     assert "scheduler 'local' starts its nodes itself: use `planaria run`" in done.stderr
 

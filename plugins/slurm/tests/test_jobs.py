@@ -6,8 +6,6 @@ with bitwise the weights of a run without a fault."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import slurm
+
+from planaria.testing.jobs import final_weights, job_events, run_planaria, wait_for
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
@@ -45,42 +45,6 @@ def job(where: Path, scheduler: dict[str, object] | None = None, **job: object) 
     return path
 
 
-def planaria(
-    where: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 240
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "planaria", *args],
-        cwd=where,
-        env={**os.environ, "COLUMNS": "200", **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def events(where: Path) -> list[dict]:
-    found = []
-    for timeline in where.glob("planaria-runs/*/events.jsonl"):
-        found += [json.loads(line) for line in timeline.read_text().splitlines()]
-    return found
-
-
-def weights(where: Path) -> dict:
-    (path,) = where.glob("final.pt")
-    return torch.load(path, weights_only=True, map_location="cpu")
-
-
-def wait_for(what: str, predicate, timeout: float = 120.0, every: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} did not happen within {timeout:g}s")
-        time.sleep(every)
-
-
 def job_state(job_id: str) -> str:
     return slurm("squeue", "-h", "-j", job_id, "-o", "%T", check=False).stdout.strip()
 
@@ -100,9 +64,9 @@ def steps(job_id: str) -> dict[str, tuple[str, str]]:
 def clean_weights(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The same job without a fault, on the local scheduler (2 nodes of 1 worker)."""
     where = tmp_path_factory.mktemp("clean")
-    done = planaria(where, "run", str(job(where)))
+    done = run_planaria(where, "run", str(job(where)))
     assert done.returncode == 0, done.stdout + done.stderr
-    return weights(where)
+    return final_weights(where)
 
 
 def submit_and_pause(where: Path) -> tuple[str, dict[str, tuple[str, str]]]:
@@ -111,7 +75,7 @@ def submit_and_pause(where: Path) -> tuple[str, dict[str, tuple[str, str]]]:
     scheduler = {"backend": "slurm", "options": {"spares": 1, "sbatch": ["--oversubscribe"]}}
     config = job(where, scheduler)
     chaos = ["--set", 'chaos=[{"kind": "stop_worker", "rank": 0, "at_step": 10}]']
-    submitted = planaria(where, "submit", str(config), *chaos)
+    submitted = run_planaria(where, "submit", str(config), *chaos)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     job_id = submitted.stdout.split()[-1]
     assert job_id.isdigit(), submitted.stdout
@@ -143,7 +107,7 @@ def test_a_node_whose_step_is_cancelled_is_replaced_on_the_spare(tmp_path, clean
     slurm("scancel", step_id)
 
     def replaced() -> dict | None:
-        return next((e for e in events(tmp_path) if e["kind"] == "node_replaced"), None)
+        return next((e for e in job_events(tmp_path) if e["kind"] == "node_replaced"), None)
 
     event = wait_for("the replacement", replaced)
     took = time.monotonic() - cancelled
@@ -152,9 +116,9 @@ def test_a_node_whose_step_is_cancelled_is_replaced_on_the_spare(tmp_path, clean
     output = finish(tmp_path, job_id)
     assert "succeeded" in output, output
     print(f"scancel -> node_replaced in {took:.1f}s")
-    restored = [e for e in events(tmp_path) if e["kind"] == "rendezvous_completed"]
+    restored = [e for e in job_events(tmp_path) if e["kind"] == "rendezvous_completed"]
     assert restored[-1]["data"]["restore"] == "storage", restored[-1]
-    final = weights(tmp_path)
+    final = final_weights(tmp_path)
     assert final.keys() == clean_weights.keys()
     assert all(torch.equal(final[k], clean_weights[k]) for k in final)
 
@@ -192,12 +156,14 @@ def test_a_node_set_down_is_replaced_and_excluded(tmp_path, clean_weights, resum
     slurm("scontrol", "update", f"nodename={host}", "state=down", "reason=planaria test")
 
     def replaced() -> dict | None:
-        return next((e for e in events(tmp_path) if e["kind"] == "node_replaced"), None)
+        return next((e for e in job_events(tmp_path) if e["kind"] == "node_replaced"), None)
 
     event = wait_for("the replacement", replaced)
     took = time.monotonic() - downed
     assert not event["message"].endswith(f"on {host}"), event
-    lost = [e["message"] for e in events(tmp_path) if f"Slurm node {host} is down" in e["message"]]
+    lost = [
+        e["message"] for e in job_events(tmp_path) if f"Slurm node {host} is down" in e["message"]
+    ]
     assert lost, "the node's loss names Slurm's state"
     output = finish(tmp_path, job_id)
     assert "succeeded" in output, output
@@ -207,9 +173,9 @@ def test_a_node_set_down_is_replaced_and_excluded(tmp_path, clean_weights, resum
     bad = (tmp_path / ".planaria" / "slurm-bad-nodes").read_text()
     assert bad.split()[0] == host, bad
     # A later submission of the job keeps off the bad node.
-    dry = planaria(tmp_path, "submit", "--dry-run", str(tmp_path / "job.yaml"))
+    dry = run_planaria(tmp_path, "submit", "--dry-run", str(tmp_path / "job.yaml"))
     assert f"#SBATCH --exclude={host}\n" in dry.stdout, dry.stdout
-    final = weights(tmp_path)
+    final = final_weights(tmp_path)
     assert all(torch.equal(final[k], clean_weights[k]) for k in final)
 
 
@@ -231,20 +197,22 @@ def test_with_no_spare_left_the_job_is_requeued_without_the_bad_node(tmp_path, r
     ]
     clean_dir = tmp_path / "clean"
     clean_dir.mkdir()
-    clean = planaria(clean_dir, "run", str(job(clean_dir, command=longer)))
+    clean = run_planaria(clean_dir, "run", str(job(clean_dir, command=longer)))
     assert clean.returncode == 0, clean.stdout + clean.stderr
     where = tmp_path / "requeued"
     where.mkdir()
     options = {"requeue": True, "sbatch": ["--oversubscribe"]}
     config = job(where, {"backend": "slurm", "options": options}, command=longer)
     storage = {"storage": {"options": {"path": str(where / "ckpt")}}}
-    submitted = planaria(where, "submit", str(config), "--set", f"checkpoint={json.dumps(storage)}")
+    submitted = run_planaria(
+        where, "submit", str(config), "--set", f"checkpoint={json.dumps(storage)}"
+    )
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     job_id = submitted.stdout.split()[-1]
     wait_for("the job's start", lambda: job_state(job_id) == "RUNNING")
     wait_for(
         "a committed checkpoint",
-        lambda: any(e["kind"] == "checkpoint_committed" for e in events(where)),
+        lambda: any(e["kind"] == "checkpoint_committed" for e in job_events(where)),
         every=0.05,
     )
     agents = steps(job_id)
@@ -265,5 +233,5 @@ def test_with_no_spare_left_the_job_is_requeued_without_the_bad_node(tmp_path, r
     timeline = [json.loads(x) for x in (second / "events.jsonl").read_text().splitlines()]
     rounds = [e for e in timeline if e["kind"] == "rendezvous_completed"]
     assert rounds[0]["data"]["restore"] == "storage", rounds[0]
-    final, reference = weights(where), weights(clean_dir)
+    final, reference = final_weights(where), final_weights(clean_dir)
     assert all(torch.equal(final[k], reference[k]) for k in final)
