@@ -250,7 +250,10 @@ def test_a_cut_shorter_than_the_heartbeat_timeout_costs_no_restart(
 def test_a_cut_longer_than_the_timeout_replaces_the_node_which_stops_once_healed(
     job: Callable[..., Job], fault_free: dict[str, Any]
 ) -> None:
-    run = job()
+    # The old node must still be waiting for the master when the cut heals: on a loaded
+    # machine the replacement's round can take longer than the default grace (60 s), past
+    # which the old node would stop by itself, unfenced.
+    run = job(grace="600s")
     run.training(CUT_AT)
     old = run.net.pids("n1")
     assert old
