@@ -88,6 +88,25 @@ def slurm_cluster() -> Iterator[dict[str, str]]:
                 os.environ[name] = value
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed job test shows what the cluster and the job saw: the batch output, each run's
+    timeline and the tail of slurmctld's log (a flake on a loaded machine leaves nothing else)."""
+    report = yield
+    where = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.when == "call" and report.failed and isinstance(where, Path):
+        for path in sorted(where.glob("**/.planaria/slurm-*.out")):
+            report.sections.append((f"batch output {path.name}", path.read_text()[-6000:]))
+        for path in sorted(where.glob("**/planaria-runs/*/events.jsonl")):
+            lines = path.read_text().splitlines()[-80:]
+            report.sections.append((f"timeline {path.parent.name}", "\n".join(lines)))
+        ctld = Path(os.environ.get("PLANARIA_SLURM_DIR", "/tmp/planaria-slurm"), "log")
+        for path in sorted(ctld.glob("slurmctld.log")):
+            tail = "\n".join(path.read_text(errors="replace").splitlines()[-60:])
+            report.sections.append(("slurmctld.log", tail))
+    return report
+
+
 def wait_running(job_id: str, timeout: float = 60.0) -> str:
     deadline = time.monotonic() + timeout
     while True:
