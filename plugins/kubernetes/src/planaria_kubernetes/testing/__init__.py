@@ -1,0 +1,1 @@
+"""An emulated Kubernetes cluster for tests (see :mod:`planaria_kubernetes.testing.cluster`)."""
