@@ -21,12 +21,33 @@ from planaria.cli import (  # noqa: F401 - registers
 from planaria.cli.app import EXIT_USAGE, app
 from planaria.cli.output import error
 from planaria.errors import PlanariaError
+from planaria.plugin.records import PluginKind, normalize_name
+
+
+def _scheduler_commands(argv: list[str]) -> None:
+    """``planaria <scheduler> ...``: a scheduler plugin's own commands join the app when the
+    first argument names an installed scheduler that has some (only then are plugins loaded)."""
+    if len(argv) < 2 or argv[1].startswith("-"):
+        return
+    known = {c.name or (c.callback.__name__ if c.callback else "") for c in app.registered_commands}
+    known |= {g.name or "" for g in app.registered_groups}
+    name = argv[1]
+    if name in known:
+        return
+    from planaria.plugin.manager import PluginManager
+
+    records = PluginManager.from_entry_points().records(PluginKind.SCHEDULER)
+    record = records.get(normalize_name(name))
+    commands = getattr(record, "commands", None)
+    if commands is not None:
+        app.add_typer(commands, name=name)
 
 
 def main() -> None:
     """Entry point of the ``planaria`` command: planaria's own errors print without a
     traceback and exit 2."""
     try:
+        _scheduler_commands(sys.argv)
         app()
     except PlanariaError as exc:
         error(str(exc))

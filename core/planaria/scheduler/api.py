@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -199,8 +199,15 @@ class Scheduler(ABC, Generic[OptionsT]):
 
 class SchedulerRecord(PluginRecord):
     kind: ClassVar[PluginKind] = PluginKind.SCHEDULER
-    well_known: ClassVar[dict[str, str]] = {"slurm": "planaria-slurm"}
+    well_known: ClassVar[dict[str, str]] = {
+        "slurm": "planaria-slurm",
+        "ray": "planaria-ray",
+        "kubernetes": "planaria-kubernetes",
+    }
     factory: type[Scheduler]  # type: ignore[type-arg]  # pydantic rejects type[X[Any]]
+    commands: Any = None
+    """The scheduler's own commands, a ``typer.Typer`` run as ``planaria <name> ...`` (the
+    kubernetes scheduler's ``planaria kubernetes manifest``); loaded only when asked for."""
 
 
 def poll_events(
