@@ -33,8 +33,9 @@ def manifest(
     from planaria.config.loader import read, validate
     from planaria.config.resolve import resolve
     from planaria.plugin.manager import PluginManager
-    from planaria_kubernetes.manifest import as_dict, check, manifests
+    from planaria_kubernetes.manifest import check, manifests
     from planaria_kubernetes.options import KubernetesOptions
+    from planaria_kubernetes.pods import as_dict
 
     raw = read(config, set_ or [])
     manager = PluginManager.from_entry_points()

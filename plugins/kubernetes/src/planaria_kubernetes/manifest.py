@@ -153,14 +153,6 @@ def manifests(
     return [config_map, account, role, binding, node_role, node_binding, job_object]
 
 
-def as_dict(model: Any) -> dict[str, Any]:
-    """A model as the API server reads it (camelCase keys, no empty fields)."""
-    from kubernetes import client
-
-    serialised: dict[str, Any] = client.ApiClient().sanitize_for_serialization(model)  # type: ignore[no-untyped-call]
-    return serialised
-
-
 def check(objects: list[dict[str, Any]]) -> list[str]:
     """Each object checked against its kind's model: the problems, with where."""
     problems = []

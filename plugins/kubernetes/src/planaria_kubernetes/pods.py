@@ -227,3 +227,11 @@ def pod(
             volumes=volumes or None,
         ),
     )
+
+
+def as_dict(model: Any) -> dict[str, Any]:
+    """A model as the API server reads it (camelCase keys, no empty fields)."""
+    from kubernetes import client
+
+    serialised: dict[str, Any] = client.ApiClient().sanitize_for_serialization(model)  # type: ignore[no-untyped-call]
+    return serialised

@@ -211,11 +211,15 @@ class KubernetesScheduler(Scheduler[KubernetesOptions]):
         self._ensure_secret(spec)
         with self._lock:
             nodes = [self._new_node(spec) for _ in range(count)]
-        made = self._create(spec, nodes)
         try:
+            self._create(spec, nodes)
             self._await(nodes, running=True)
         except BaseException:
-            self._delete([n for n in nodes if n in made])
+            self._delete(nodes)
+            with self._lock:
+                others = [n for n in self._nodes.values() if not n.released]
+            if not others:  # nothing of the job may be left: its Secret neither
+                self.stop()
             raise
         return [self._handle(n) for n in nodes]
 
@@ -224,8 +228,9 @@ class KubernetesScheduler(Scheduler[KubernetesOptions]):
         return poll_events(timeout, self._take, self._sleep)
 
     def replace(self, node_id: str, *, exclude_host: bool) -> NodeHandle:
-        """Delete ``node_id``'s pod and create its successor, kept off every excluded host;
-        returns once the new pod is scheduled."""
+        """Delete ``node_id``'s pod and create its successor, kept off every excluded host
+        and, while another node can take it, off the old one's; returns once the new pod is
+        scheduled."""
         self.check_interrupted(f"cannot replace {node_id}")
         old = self._get(node_id)
         if old.released:
@@ -234,16 +239,32 @@ class KubernetesScheduler(Scheduler[KubernetesOptions]):
             self._exclude(old.host, f"node {node_id} was diagnosed faulty")
         self._delete([old])
         assert self._spec is not None
-        with self._lock:
-            new = self._new_node(self._spec)
-        self._create(self._spec, [new])
+        avoid = [old.host] if old.host and not exclude_host else []
         try:
-            self._await([new], running=False)
-        except BaseException as exc:
-            self._delete([new])
+            new = self._place(self._spec, avoid)
+            if new is None:  # no other node: the old one's host, when it is not excluded
+                new = self._place(self._spec, [])
+            assert new is not None
+        except SchedulerError as exc:
             raise SchedulerError(f"cannot replace {node_id}: {exc}") from exc
         log.info("node replaced", node=node_id, replacement=new.node_id, k8s_node=new.host)
         return self._handle(new)
+
+    def _place(self, spec: LaunchSpec, avoid: list[str]) -> _Node | None:
+        """A new node's pod, scheduled; with ``avoid``, None as soon as Kubernetes finds no
+        node but those for it (its pod deleted again)."""
+        with self._lock:
+            new = self._new_node(spec)
+        self._create(spec, [new], avoid)
+        try:
+            placed = self._await([new], running=False, quick=bool(avoid))
+        except BaseException:
+            self._delete([new])
+            raise
+        if not placed:
+            self._delete([new])
+            return None
+        return new
 
     def stop(self, node_ids: list[str] | None = None) -> None:
         """Delete the pods (their agents get SIGTERM, SIGKILL after ``stop_grace``). Stopping
@@ -430,16 +451,19 @@ class KubernetesScheduler(Scheduler[KubernetesOptions]):
             data={"pod": node.pod, "namespace": self._namespace},
         )
 
-    def _hostnames(self) -> list[str]:
-        """The excluded nodes' ``kubernetes.io/hostname`` labels (their names without one)."""
+    def _hostnames(self, more: Iterable[str] = ()) -> list[str]:
+        """The ``kubernetes.io/hostname`` labels (names, for a node without one) of the
+        excluded nodes and of ``more``."""
         with self._lock:
             found = []
-            for host in self._excluded:
+            for host in {*self._excluded, *more}:
                 labels = self._cluster_nodes.get(host, {}).get("metadata", {}).get("labels") or {}
                 found.append(labels.get(pods.HOSTNAME, host))
             return found
 
-    def _create(self, spec: LaunchSpec, nodes: list[_Node]) -> list[_Node]:
+    def _create(
+        self, spec: LaunchSpec, nodes: list[_Node], avoid: Iterable[str] = ()
+    ) -> list[_Node]:
         """Create the nodes' pods, ``parallelism`` at once. A refusal deletes the ones made and
         raises, naming the pod and the API server's reason."""
         extra = {}
@@ -447,7 +471,7 @@ class KubernetesScheduler(Scheduler[KubernetesOptions]):
         if marker:  # what the job starts on the cluster carries the run's marker
             extra[leftovers.VARIABLE] = marker
         owner = self._owner or self._pods_owner
-        excluded = self._hostnames()
+        excluded = self._hostnames(avoid)
         bodies = [
             pods.pod(spec, self.options, n.node_id, owner=owner, excluded=excluded, extra_env=extra)
             for n in nodes
@@ -483,11 +507,14 @@ class KubernetesScheduler(Scheduler[KubernetesOptions]):
         log.info("pods created", count=len(made), namespace=self._namespace)
         return made
 
-    def _await(self, nodes: list[_Node], *, running: bool) -> None:
+    def _await(self, nodes: list[_Node], *, running: bool, quick: bool = False) -> bool:
         """Wait until each node runs (``running``) or is scheduled; raise when one cannot be
-        (see :meth:`_cannot_start`) or the job stops."""
+        (see :meth:`_cannot_start`) or the job stops. With ``quick``, False as soon as one is
+        found unschedulable."""
         with self._lock:
             while True:
+                if quick and any(n.unschedulable for n in nodes):
+                    return False
                 if self.interrupted:
                     raise SchedulerError("the job is stopping (the scheduler was interrupted)")
                 for node in nodes:
@@ -495,7 +522,7 @@ class KubernetesScheduler(Scheduler[KubernetesOptions]):
                     if why:
                         raise SchedulerError(why)
                 if all(n.settled or (not running and n.host) for n in nodes):
-                    return
+                    return True
                 self._changed.wait(0.2)
 
     def _cannot_start(self, node: _Node, now: float) -> str:
