@@ -16,6 +16,7 @@ import kubernetes
 import pytest
 from kubernetes.client import CoreV1Api
 from kubernetes.client.exceptions import ApiException
+
 from planaria_kubernetes.testing import EmulatedCluster
 
 NS = "planaria"
