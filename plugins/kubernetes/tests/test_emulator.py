@@ -395,6 +395,39 @@ def test_delete_running_pod_stops_it(cluster: EmulatedCluster, v1: CoreV1Api) ->
     assert pids and not [pid for pid in pids if alive(pid)]
 
 
+def test_forced_deletion_and_preconditions(cluster: EmulatedCluster, v1: CoreV1Api) -> None:
+    created = v1.create_namespaced_pod(NS, pod("forced", SLEEP))
+    wait_phase(cluster, "forced", "Running")
+    pids = cluster.pod_pids("forced")
+    with pytest.raises(ApiException) as stale:
+        v1.delete_namespaced_pod(
+            "forced", NS, body={"preconditions": {"uid": "not-" + created.metadata.uid}}
+        )
+    assert stale.value.status == 409 and "Precondition failed: UID" in message(stale)
+    v1.delete_namespaced_pod(
+        "forced", NS, grace_period_seconds=0, body={"preconditions": {"uid": created.metadata.uid}}
+    )
+    assert cluster.pod("forced") is None  # gone at once; the kubelet then kills its processes
+    cluster.wait(lambda: not [pid for pid in pids if alive(pid)], 5, "the processes killed")
+
+
+def test_bookmarks(cluster: EmulatedCluster, v1: CoreV1Api) -> None:
+    cluster.server.bookmark_interval = 0.2
+    try:
+        stream = kubernetes.watch.Watch().stream(
+            v1.list_namespaced_secret,
+            NS,
+            resource_version=v1.list_namespaced_secret(NS).metadata.resource_version,
+            allow_watch_bookmarks=True,
+            timeout_seconds=2,
+        )
+        first = next(iter(stream))
+    finally:
+        cluster.server.bookmark_interval = 5.0
+    assert first["type"] == "BOOKMARK"
+    assert int(first["raw_object"]["metadata"]["resourceVersion"]) > 0
+
+
 def test_owner_deletion_cascades(cluster: EmulatedCluster, v1: CoreV1Api) -> None:
     owner = v1.create_namespaced_secret(NS, {"metadata": {"name": "owner"}})
 
@@ -456,10 +489,14 @@ def test_not_ready_node(tmp_path: Path) -> None:
         status = v1.read_namespaced_pod("stranded", NS).status
         assert [c.status for c in status.conditions if c.type == "Ready"] == ["False"]
         assert status.phase == "Running"  # nobody reports for a dead node
+        v1.create_namespaced_pod(NS, pod("newcomer", SLEEP))
+        cluster.wait(lambda: "untolerated taint" in str(cluster.pod("newcomer")), 5, "refusal")
+        assert "{node.kubernetes.io/unreachable: }" in str(cluster.pod("newcomer"))
         v1.delete_namespaced_pod("stranded", NS)
         assert cluster.pod("stranded") is not None  # stuck terminating: no kubelet to finish it
         cluster.set_node_ready("only", True)
         cluster.wait(lambda: cluster.pod("stranded") is None, 5, "removal once back")
+        wait_phase(cluster, "newcomer", "Running")
 
 
 def test_nothing_left_running_after_stop(tmp_path: Path) -> None:

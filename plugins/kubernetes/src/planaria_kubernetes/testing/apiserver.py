@@ -86,6 +86,16 @@ KINDS: dict[str, Kind] = {
 }
 
 
+def _fold_string_data(secret: Obj) -> None:
+    """A Secret's write-only ``stringData`` goes base64-encoded into ``data``."""
+    string_data = secret.pop("stringData", None) or {}
+    if string_data:
+        data = secret.get("data") or {}
+        for key, value in string_data.items():
+            data[key] = base64.b64encode(str(value).encode()).decode()
+        secret["data"] = data
+
+
 class ApiError(Exception):
     """An error the API answers with a ``Status`` object."""
 
@@ -336,12 +346,7 @@ class Store:
             status.setdefault("phase", "Pending")
         elif kind.plural == "secrets":
             obj.setdefault("type", "Opaque")
-            string_data = obj.pop("stringData", None) or {}
-            if string_data:
-                data = obj.setdefault("data", {}) or {}
-                obj["data"] = data
-                for key, value in string_data.items():
-                    data[key] = base64.b64encode(str(value).encode()).decode()
+            _fold_string_data(obj)
         elif kind.plural == "namespaces":
             obj.setdefault("spec", {"finalizers": ["kubernetes"]})
             obj.setdefault("status", {"phase": "Active"})
@@ -401,6 +406,8 @@ class Store:
             new["kind"] = kind.kind
             if plural == "pods":
                 self._validate(kind, new)
+            if plural == "secrets":
+                _fold_string_data(new)
         return self._replace(plural, old, new)
 
     def _replace(self, plural: str, old: Obj, new: Obj) -> Obj:
@@ -453,10 +460,26 @@ class Store:
         return self._replace(plural, old, new)
 
     def delete(
-        self, plural: str, namespace: str | None, name: str, grace: int | None = None
+        self,
+        plural: str,
+        namespace: str | None,
+        name: str,
+        grace: int | None = None,
+        preconditions: Mapping[str, Any] | None = None,
     ) -> Obj:
         obj = self.get(plural, namespace, name)
         meta = obj["metadata"]
+        for key, field_name in (("uid", "UID"), ("resourceVersion", "ResourceVersion")):
+            wanted = (preconditions or {}).get(key)
+            if wanted is not None and str(wanted) != str(meta.get(key)):
+                raise ApiError(
+                    409,
+                    "Conflict",
+                    f'Operation cannot be fulfilled on {plural} "{name}": Precondition failed:'
+                    f" {field_name} in precondition: {wanted}, {field_name} in object meta:"
+                    f" {meta.get(key)}",
+                    {"name": name, "kind": plural},
+                )
         if plural == "pods":
             spec = obj.get("spec") or {}
             phase = (obj.get("status") or {}).get("phase")
@@ -696,6 +719,11 @@ class ApiServer(kmock.KubernetesScaffold):
                 return await self._watch(request, Watcher(where.plural, ns, labels, fields))
             store.check("list", resource, ns, None)
             return reply(store.list_objects(where.plural, ns, labels, fields))
+        if method == "GET" and params.get("watch") in ("true", "1", "True"):
+            assert where.name is not None  # the deprecated watch of one object by its path
+            store.check("watch", resource, ns, where.name)
+            one = [semantics.FieldRequirement("metadata.name", where.name, False)]
+            return await self._watch(request, Watcher(where.plural, ns, [], one))
         if method == "GET":
             assert where.name is not None
             store.check("get", resource, ns, where.name)
@@ -738,7 +766,9 @@ class ApiServer(kmock.KubernetesScaffold):
                         store.delete(where.plural, meta.get("namespace"), meta["name"], grace)
                 return reply(items)
             store.check("delete", resource, ns, where.name)
-            obj = store.delete(where.plural, ns, where.name, grace)
+            obj = store.delete(
+                where.plural, ns, where.name, grace, body.get("preconditions") or None
+            )
             if where.plural == "pods":
                 return reply(obj)
             return reply(

@@ -25,9 +25,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import kmock
+import kubernetes
 import yaml
 
 from planaria_kubernetes.testing import semantics
@@ -219,13 +220,12 @@ class EmulatedCluster:
 
     # -- for tests ----------------------------------------------------------------------------
 
-    def api(self) -> Any:
-        """A ``kubernetes.client.ApiClient`` configured for this cluster."""
-        import kubernetes
-
-        return kubernetes.config.new_client_from_config(  # type: ignore[no-untyped-call]
+    def api(self) -> kubernetes.client.ApiClient:
+        """A client configured for this cluster (from its kubeconfig)."""
+        client = kubernetes.config.new_client_from_config(  # type: ignore[no-untyped-call]
             config_file=str(self.kubeconfig)
         )
+        return cast(kubernetes.client.ApiClient, client)
 
     def set_node_ready(self, node: str, ready: bool, *, kill: bool = False) -> None:
         """Make a node Ready again, or not Ready: its kubelet stops (its pods stay as they are,
