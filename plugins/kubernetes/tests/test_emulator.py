@@ -141,6 +141,19 @@ def test_create_list_selectors_and_errors(cluster: EmulatedCluster, v1: CoreV1Ap
     v1.patch_namespaced_pod_status("sel-0", NS, {"status": {"message": "hi"}})
     assert v1.read_namespaced_pod("sel-0", NS).status.message == "hi"
 
+    event = kubernetes.client.CoreV1Event(
+        metadata=kubernetes.client.V1ObjectMeta(generate_name="sel-0."),
+        involved_object=kubernetes.client.V1ObjectReference(kind="Pod", name="sel-0", namespace=NS),
+        reason="Testing",
+        message="an event",
+        type="Normal",
+    )
+    v1.create_namespaced_event(NS, event)
+    events = v1.list_namespaced_event(NS, field_selector="involvedObject.name=sel-0").items
+    assert {e.reason for e in events} == {"Testing", "FailedScheduling"}
+    events = v1.list_namespaced_event(NS, field_selector="involvedObject.name=sel-0,type!=Warning")
+    assert [e.message for e in events.items] == ["an event"]
+
     for p in created:
         v1.delete_namespaced_pod(p.metadata.name, NS)
     v1.delete_namespaced_secret(generated.metadata.name, NS)
@@ -220,6 +233,11 @@ def test_exit_code_and_kill_from_outside(cluster: EmulatedCluster, v1: CoreV1Api
     v1.create_namespaced_pod(NS, pod("exit3", [sys.executable, "-c", "import sys; sys.exit(3)"]))
     v1.create_namespaced_pod(NS, pod("sleeper", SLEEP))
     wait_phase(cluster, "exit3", "Failed")
+    printer = [sys.executable, "-c", "print('line 1'); print('line 2')"]
+    v1.create_namespaced_pod(NS, pod("printer", printer))
+    wait_phase(cluster, "printer", "Succeeded")
+    assert v1.read_namespaced_pod_log("printer", NS) == "line 1\nline 2\n"
+    assert v1.read_namespaced_pod_log("printer", NS, tail_lines=1) == "line 2\n"
     phases = [
         event["object"].status.phase
         for event in kubernetes.watch.Watch().stream(
@@ -246,7 +264,7 @@ def test_exit_code_and_kill_from_outside(cluster: EmulatedCluster, v1: CoreV1Api
     terminated = v1.read_namespaced_pod("sleeper", NS).status.container_statuses[0].state.terminated
     assert terminated.exit_code == 137
     assert cluster.pod_pids("sleeper") == []
-    for name in ("exit3", "sleeper"):
+    for name in ("exit3", "sleeper", "printer"):
         v1.delete_namespaced_pod(name, NS)
 
 
@@ -462,6 +480,7 @@ def test_forbidden(cluster: EmulatedCluster, v1: CoreV1Api) -> None:
 
 
 def test_cordon_keeps_new_pods_off(cluster: EmulatedCluster, v1: CoreV1Api) -> None:
+    start = v1.list_node().metadata.resource_version
     for node in ("kube-a", "kube-b"):
         v1.patch_node(node, {"spec": {"unschedulable": True}})
     try:
@@ -475,6 +494,18 @@ def test_cordon_keeps_new_pods_off(cluster: EmulatedCluster, v1: CoreV1Api) -> N
     finally:
         for node in ("kube-a", "kube-b"):
             v1.patch_node(node, {"spec": {"unschedulable": None}})
+    node_events = [
+        (event["type"], event["object"].metadata.name, event["object"].spec.unschedulable)
+        for event in kubernetes.watch.Watch().stream(
+            v1.list_node, resource_version=start, timeout_seconds=1
+        )
+    ]
+    assert node_events == [
+        ("MODIFIED", "kube-a", True),
+        ("MODIFIED", "kube-b", True),
+        ("MODIFIED", "kube-a", None),
+        ("MODIFIED", "kube-b", None),
+    ]
     v1.delete_namespaced_pod("uncordoned", NS, grace_period_seconds=0)
 
 

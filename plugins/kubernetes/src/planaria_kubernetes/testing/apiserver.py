@@ -30,8 +30,10 @@ What :class:`Store` does like the real server:
   and ``deletionGracePeriodSeconds``; the kubelet removes it after stopping its processes. Other
   objects go at once. Removing an object deletes its dependents (``ownerReferences``), at once
   rather than in the background, once all their owners are gone; ``propagationPolicy`` is
-  ignored. Deleting a namespace deletes what it holds and the namespace at once;
-* verbs forbidden by :meth:`Store.forbid` get the real ``403 Forbidden``.
+  ignored. ``preconditions`` (uid, resourceVersion) are checked (409 Conflict). Deleting a
+  namespace deletes what it holds and the namespace at once;
+* ``pods/{name}/log`` serves what the pod's processes wrote (``tailLines``; no ``follow``);
+* a (verb, resource) pair in :attr:`Store.forbidden` gets the real ``403 Forbidden``.
 
 Everything runs in the server's event loop thread: :class:`Store` methods are synchronous, so
 each one is atomic with respect to the watches and to the scheduler and kubelet, which call them
@@ -51,6 +53,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp.web
@@ -628,6 +631,7 @@ class ApiServer(kmock.KubernetesScaffold):
     store: Store = attrs.field(factory=Store)
     log: list[tuple[str, str]] = attrs.field(factory=list)
     bookmark_interval: float = 5.0
+    pod_logs: Path | None = None  # where the kubelet writes <namespace>.<pod>.log
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -697,6 +701,10 @@ class ApiServer(kmock.KubernetesScaffold):
         params = request.params
         method = request.method.value
         resource = where.plural + (f"/{where.subresource}" if where.subresource else "")
+        if (where.plural, where.subresource, method) == ("pods", "log", "GET"):
+            assert where.name is not None
+            store.check("get", resource, where.namespace, where.name)
+            return self._serve_log(where.namespace, where.name, params)
         if where.subresource not in (None, "status") or (
             where.subresource == "status" and not kind.has_status
         ):
@@ -785,6 +793,26 @@ class ApiServer(kmock.KubernetesScaffold):
                 }
             )
         raise ApiError(405, "MethodNotAllowed", "the server does not allow this method")
+
+    def _serve_log(
+        self, namespace: str | None, name: str, params: Mapping[str, str]
+    ) -> aiohttp.web.StreamResponse:
+        """``pods/{name}/log``: what the pod's processes wrote (no ``follow``)."""
+        pod = self.store.get("pods", namespace, name)
+        path = self.pod_logs / f"{namespace}.{name}.log" if self.pod_logs else None
+        if path is None or not path.exists() or pod["status"].get("phase") == "Pending":
+            container = pod["spec"]["containers"][0]["name"]
+            raise ApiError(
+                400,
+                "BadRequest",
+                f'container "{container}" in pod "{name}" is waiting to start: ContainerCreating',
+            )
+        text = path.read_text(errors="replace")
+        tail = _int_param(params, "tailLines")
+        if tail is not None:
+            lines = text.splitlines(keepends=True)
+            text = "".join(lines[-tail:]) if tail > 0 else ""
+        return aiohttp.web.Response(text=text, content_type="text/plain")
 
     async def _watch(self, request: kmock.Request, watcher: Watcher) -> aiohttp.web.StreamResponse:
         raw = request._raw_request

@@ -68,7 +68,7 @@ class EmulatedCluster:
         self.log_dir = Path(log_dir) if log_dir is not None else self._workdir / "logs"
         self.kubeconfig = self._workdir / "kubeconfig"
         self.url = ""
-        self.server = ApiServer()
+        self.server = ApiServer(pod_logs=self.log_dir)
         self.requests: list[tuple[str, str]] = self.server.log
         self.kubelet = Kubelet(
             store=self.server.store, nodes=set(self.node_names), log_dir=self.log_dir
