@@ -27,6 +27,7 @@ NOWHERE = {"emulator-test/nowhere": "true"}  # a nodeSelector no node matches: s
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedCluster]:
     with EmulatedCluster(log_dir=tmp_path_factory.mktemp("pods")) as running:
         yield running
+        assert running.errors == []
 
 
 @pytest.fixture(scope="module")
@@ -369,6 +370,7 @@ def test_scheduling_constraints(cluster: EmulatedCluster, v1: CoreV1Api) -> None
     gpu["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
     v1.create_namespaced_pod(NS, gpu)
     cluster.wait(lambda: "Insufficient nvidia.com/gpu" in str(cluster.pod("gpu")), 5, "gpu")
+    assert v1.read_namespaced_pod("gpu", NS).status.qos_class == "Burstable"
     for name in ("gpu", *(f"spread-{i}" for i in range(4))):
         v1.delete_namespaced_pod(name, NS, grace_period_seconds=0)
 

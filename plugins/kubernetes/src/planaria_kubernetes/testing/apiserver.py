@@ -48,7 +48,9 @@ import contextlib
 import copy
 import datetime
 import json
+import logging
 import re
+import traceback
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -65,6 +67,7 @@ from planaria_kubernetes.testing import semantics
 from planaria_kubernetes.testing.semantics import Obj
 
 USER = "system:serviceaccount:planaria:default"
+LOG = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,24 @@ def _fold_string_data(secret: Obj) -> None:
         for key, value in string_data.items():
             data[key] = base64.b64encode(str(value).encode()).decode()
         secret["data"] = data
+
+
+def _qos_class(spec: Obj) -> str:
+    """Guaranteed (every container's cpu and memory limited, requests equal to the limits),
+    BestEffort (nothing requested nor limited) or Burstable."""
+    requested = False
+    guaranteed = True
+    for container in spec.get("containers") or []:
+        resources = container.get("resources") or {}
+        limits = resources.get("limits") or {}
+        requests = {**limits, **(resources.get("requests") or {})}
+        requested = requested or bool(requests)
+        for name in ("cpu", "memory"):
+            if name not in limits or str(requests.get(name)) != str(limits[name]):
+                guaranteed = False
+    if not requested:
+        return "BestEffort"
+    return "Guaranteed" if guaranteed else "Burstable"
 
 
 class ApiError(Exception):
@@ -202,7 +223,12 @@ class Store:
         self.watchers: set[Watcher] = set()
         self.listeners: list[asyncio.Event] = []  # set on every change (scheduler, kubelet)
         self.forbidden: set[tuple[str, str]] = set()
-        self.on_event: Callable[[str, Obj], None] | None = None
+        self.errors: list[str] = []  # tracebacks of the emulation's own failures
+
+    def report(self, where: str) -> None:
+        """Keep (and log) the exception being handled: a failure of the emulation itself."""
+        LOG.exception("emulated cluster: %s failed", where)
+        self.errors.append(f"{where}: {traceback.format_exc()}")
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -345,8 +371,7 @@ class Store:
             spec.setdefault("terminationGracePeriodSeconds", 30)
             spec.setdefault("schedulerName", "default-scheduler")
             spec.setdefault("dnsPolicy", "ClusterFirst")
-            status = obj.setdefault("status", {})
-            status.setdefault("phase", "Pending")
+            obj["status"] = {"phase": "Pending", "qosClass": _qos_class(spec)}
         elif kind.plural == "secrets":
             obj.setdefault("type", "Opaque")
             _fold_string_data(obj)
@@ -671,6 +696,10 @@ class ApiServer(kmock.KubernetesScaffold):
             return await self._serve(request, where)
         except ApiError as exc:
             return aiohttp.web.json_response(exc.status(), status=exc.code)
+        except Exception as exc:
+            self.store.report(f"{request.method.value} {request.url.path_qs}")
+            error = ApiError(500, "InternalError", f"an error on the server ({exc!r})")
+            return aiohttp.web.json_response(error.status(), status=500)
 
     async def _serve_server_version(self, request: kmock.Request) -> kmock.Payload:
         return {
@@ -873,6 +902,12 @@ class ApiServer(kmock.KubernetesScaffold):
                     await send(copy.deepcopy(seen))
         except (ConnectionError, RuntimeError):
             return response  # the client went away
+        except Exception as exc:
+            self.store.report(f"watch {request.url.path_qs}")
+            error = ApiError(500, "InternalError", f"an error on the server ({exc!r})")
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await send({"type": "ERROR", "object": error.status()})
+            return response
         finally:
             store.watchers.discard(watcher)
         with contextlib.suppress(ConnectionError, RuntimeError):

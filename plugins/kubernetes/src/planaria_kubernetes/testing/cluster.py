@@ -220,6 +220,11 @@ class EmulatedCluster:
 
     # -- for tests ----------------------------------------------------------------------------
 
+    @property
+    def errors(self) -> list[str]:
+        """Tracebacks of the emulation's own failures (none expected; also logged)."""
+        return list(self.store.errors)
+
     def api(self) -> kubernetes.client.ApiClient:
         """A client configured for this cluster (from its kubeconfig)."""
         client = kubernetes.config.new_client_from_config(  # type: ignore[no-untyped-call]

@@ -95,7 +95,10 @@ class Kubelet:
         self.store.listeners.append(wakeup)
         try:
             while True:
-                self.sync_once()
+                try:
+                    self.sync_once()
+                except Exception:
+                    self.store.report("the kubelet")
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(wakeup.wait(), self.interval)
                 wakeup.clear()
@@ -114,6 +117,7 @@ class Kubelet:
             try:
                 self._sync_pod(pod)
             except Exception as exc:  # a bug here must not stop every other pod
+                self.store.report(f"the kubelet, for pod {pod['metadata']['name']}")
                 self._fail(pod, "StartError", f"emulated kubelet: {exc!r}", 128)
         for uid, container in list(self.containers.items()):
             if uid not in alive_uids and container.node not in self.down:

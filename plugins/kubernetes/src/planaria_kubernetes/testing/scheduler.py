@@ -137,7 +137,10 @@ class Scheduler:
 
     async def run(self) -> None:
         while True:
-            self.schedule_once()
+            try:
+                self.schedule_once()
+            except Exception:
+                self.store.report("the scheduler")
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.wakeup.wait(), self.interval)
             self.wakeup.clear()
