@@ -6,6 +6,7 @@ import base64
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -542,3 +543,6 @@ def test_nothing_left_running_after_stop(tmp_path: Path) -> None:
         pids = cluster.pod_pids("family")
     assert len(pids) >= 2 and not [pid for pid in pids if alive(pid)]
     assert set(threading.enumerate()) <= threads
+    host, port = cluster.url.removeprefix("http://").split(":")
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((host, int(port)), timeout=1)

@@ -11,6 +11,15 @@ not know it is emulated::
 
 Everything runs in one background thread with its own event loop; the methods below are safe to
 call from any other thread.
+
+What it does not emulate (see each module for details): authentication (any token is accepted)
+and authorization beyond :meth:`EmulatedCluster.forbid`; API groups other than core ``v1``
+(pods, secrets, configmaps, events, serviceaccounts, nodes, namespaces); pagination (``limit`` is
+ignored, lists are whole); validation beyond names and containers (a pod's spec may be changed by
+an update); finalizers and foreground deletion; restarts (``restartPolicy`` is ``Never``), probes,
+init containers, volumes, resource limits at run time, networking (every pod and node is
+127.0.0.1, so ports are shared); node heartbeats, leases and evictions of pods from lost nodes;
+preemption.
 """
 
 from __future__ import annotations
@@ -42,6 +51,30 @@ T = TypeVar("T")
 DEFAULT_ALLOCATABLE: Mapping[str, str] = {"cpu": "8", "memory": "32Gi", "pods": "110"}
 UNREACHABLE_TAINT: Obj = {"key": "node.kubernetes.io/unreachable", "effect": "NoSchedule"}
 VERBS = ("get", "list", "watch", "create", "update", "patch", "delete", "deletecollection")
+
+
+class _Server(kmock.Server):
+    """kmock's server without the aiohttp client session and the process-wide host-resolution
+    interceptor it adds for tests that reach it by name through aiohttp: clients here connect by
+    address, and clusters may then stop in any order."""
+
+    async def __aenter__(self) -> _Server:
+        server = self._server_cls(self.handler, host=self._host, port=self._port)
+        self._managed_server = server
+        await server.__aenter__()
+        self.handler.servers.append(self)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.handler.servers.remove(self)
+        server, self._managed_server = self._managed_server, None
+        if server is not None:
+            await server.__aexit__(exc_type, exc_value, traceback)
 
 
 class EmulatedCluster:
@@ -153,7 +186,7 @@ class EmulatedCluster:
         for name in self.node_names:
             store.create("nodes", None, self._node(name))
         scheduler = Scheduler(store)
-        async with self.server, kmock.Server(self.server, host=LOCALHOST) as server:
+        async with self.server, _Server(self.server, host=LOCALHOST) as server:
             tasks = [
                 asyncio.create_task(scheduler.run(), name="scheduler"),
                 asyncio.create_task(self.kubelet.run(), name="kubelet"),
