@@ -84,6 +84,10 @@ class EmulatedCluster:
     ``allocatable`` as capacity); ``namespace`` is created (with ``default``) and is the
     kubeconfig context's namespace; pods' output goes to ``log_dir`` (a temporary directory,
     removed on exit, when not given).
+
+    Attributes: ``url`` (``http://127.0.0.1:<port>``), ``kubeconfig`` (its path; context
+    ``emulated``, any token), ``namespace``, ``log_dir``, ``requests`` (``(method, path?query)``
+    of every API request received, the query percent-encoded as sent), ``errors``.
     """
 
     def __init__(
