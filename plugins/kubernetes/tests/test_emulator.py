@@ -6,6 +6,7 @@ import base64
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ NOWHERE = {"emulator-test/nowhere": "true"}  # a nodeSelector no node matches: s
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedCluster]:
     with EmulatedCluster(log_dir=tmp_path_factory.mktemp("pods")) as running:
         yield running
+        assert running.errors == []
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +144,19 @@ def test_create_list_selectors_and_errors(cluster: EmulatedCluster, v1: CoreV1Ap
     v1.patch_namespaced_pod_status("sel-0", NS, {"status": {"message": "hi"}})
     assert v1.read_namespaced_pod("sel-0", NS).status.message == "hi"
 
+    event = kubernetes.client.CoreV1Event(
+        metadata=kubernetes.client.V1ObjectMeta(generate_name="sel-0."),
+        involved_object=kubernetes.client.V1ObjectReference(kind="Pod", name="sel-0", namespace=NS),
+        reason="Testing",
+        message="an event",
+        type="Normal",
+    )
+    v1.create_namespaced_event(NS, event)
+    events = v1.list_namespaced_event(NS, field_selector="involvedObject.name=sel-0").items
+    assert {e.reason for e in events} == {"Testing", "FailedScheduling"}
+    events = v1.list_namespaced_event(NS, field_selector="involvedObject.name=sel-0,type!=Warning")
+    assert [e.message for e in events.items] == ["an event"]
+
     for p in created:
         v1.delete_namespaced_pod(p.metadata.name, NS)
     v1.delete_namespaced_secret(generated.metadata.name, NS)
@@ -221,6 +236,11 @@ def test_exit_code_and_kill_from_outside(cluster: EmulatedCluster, v1: CoreV1Api
     v1.create_namespaced_pod(NS, pod("exit3", [sys.executable, "-c", "import sys; sys.exit(3)"]))
     v1.create_namespaced_pod(NS, pod("sleeper", SLEEP))
     wait_phase(cluster, "exit3", "Failed")
+    printer = [sys.executable, "-c", "print('line 1'); print('line 2')"]
+    v1.create_namespaced_pod(NS, pod("printer", printer))
+    wait_phase(cluster, "printer", "Succeeded")
+    assert v1.read_namespaced_pod_log("printer", NS) == "line 1\nline 2\n"
+    assert v1.read_namespaced_pod_log("printer", NS, tail_lines=1) == "line 2\n"
     phases = [
         event["object"].status.phase
         for event in kubernetes.watch.Watch().stream(
@@ -247,7 +267,7 @@ def test_exit_code_and_kill_from_outside(cluster: EmulatedCluster, v1: CoreV1Api
     terminated = v1.read_namespaced_pod("sleeper", NS).status.container_statuses[0].state.terminated
     assert terminated.exit_code == 137
     assert cluster.pod_pids("sleeper") == []
-    for name in ("exit3", "sleeper"):
+    for name in ("exit3", "sleeper", "printer"):
         v1.delete_namespaced_pod(name, NS)
 
 
@@ -352,6 +372,7 @@ def test_scheduling_constraints(cluster: EmulatedCluster, v1: CoreV1Api) -> None
     gpu["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
     v1.create_namespaced_pod(NS, gpu)
     cluster.wait(lambda: "Insufficient nvidia.com/gpu" in str(cluster.pod("gpu")), 5, "gpu")
+    assert v1.read_namespaced_pod("gpu", NS).status.qos_class == "Burstable"
     for name in ("gpu", *(f"spread-{i}" for i in range(4))):
         v1.delete_namespaced_pod(name, NS, grace_period_seconds=0)
 
@@ -396,6 +417,39 @@ def test_delete_running_pod_stops_it(cluster: EmulatedCluster, v1: CoreV1Api) ->
     assert pids and not [pid for pid in pids if alive(pid)]
 
 
+def test_forced_deletion_and_preconditions(cluster: EmulatedCluster, v1: CoreV1Api) -> None:
+    created = v1.create_namespaced_pod(NS, pod("forced", SLEEP))
+    wait_phase(cluster, "forced", "Running")
+    pids = cluster.pod_pids("forced")
+    with pytest.raises(ApiException) as stale:
+        v1.delete_namespaced_pod(
+            "forced", NS, body={"preconditions": {"uid": "not-" + created.metadata.uid}}
+        )
+    assert stale.value.status == 409 and "Precondition failed: UID" in message(stale)
+    v1.delete_namespaced_pod(
+        "forced", NS, grace_period_seconds=0, body={"preconditions": {"uid": created.metadata.uid}}
+    )
+    assert cluster.pod("forced") is None  # gone at once; the kubelet then kills its processes
+    cluster.wait(lambda: not [pid for pid in pids if alive(pid)], 5, "the processes killed")
+
+
+def test_bookmarks(cluster: EmulatedCluster, v1: CoreV1Api) -> None:
+    cluster.server.bookmark_interval = 0.2
+    try:
+        stream = kubernetes.watch.Watch().stream(
+            v1.list_namespaced_secret,
+            NS,
+            resource_version=v1.list_namespaced_secret(NS).metadata.resource_version,
+            allow_watch_bookmarks=True,
+            timeout_seconds=2,
+        )
+        first = next(iter(stream))
+    finally:
+        cluster.server.bookmark_interval = 5.0
+    assert first["type"] == "BOOKMARK"
+    assert int(first["raw_object"]["metadata"]["resourceVersion"]) > 0
+
+
 def test_owner_deletion_cascades(cluster: EmulatedCluster, v1: CoreV1Api) -> None:
     owner = v1.create_namespaced_secret(NS, {"metadata": {"name": "owner"}})
 
@@ -430,6 +484,7 @@ def test_forbidden(cluster: EmulatedCluster, v1: CoreV1Api) -> None:
 
 
 def test_cordon_keeps_new_pods_off(cluster: EmulatedCluster, v1: CoreV1Api) -> None:
+    start = v1.list_node().metadata.resource_version
     for node in ("kube-a", "kube-b"):
         v1.patch_node(node, {"spec": {"unschedulable": True}})
     try:
@@ -443,6 +498,18 @@ def test_cordon_keeps_new_pods_off(cluster: EmulatedCluster, v1: CoreV1Api) -> N
     finally:
         for node in ("kube-a", "kube-b"):
             v1.patch_node(node, {"spec": {"unschedulable": None}})
+    node_events = [
+        (event["type"], event["object"].metadata.name, event["object"].spec.unschedulable)
+        for event in kubernetes.watch.Watch().stream(
+            v1.list_node, resource_version=start, timeout_seconds=1
+        )
+    ]
+    assert node_events == [
+        ("MODIFIED", "kube-a", True),
+        ("MODIFIED", "kube-b", True),
+        ("MODIFIED", "kube-a", None),
+        ("MODIFIED", "kube-b", None),
+    ]
     v1.delete_namespaced_pod("uncordoned", NS, grace_period_seconds=0)
 
 
@@ -457,10 +524,14 @@ def test_not_ready_node(tmp_path: Path) -> None:
         status = v1.read_namespaced_pod("stranded", NS).status
         assert [c.status for c in status.conditions if c.type == "Ready"] == ["False"]
         assert status.phase == "Running"  # nobody reports for a dead node
+        v1.create_namespaced_pod(NS, pod("newcomer", SLEEP))
+        cluster.wait(lambda: "untolerated taint" in str(cluster.pod("newcomer")), 5, "refusal")
+        assert "{node.kubernetes.io/unreachable: }" in str(cluster.pod("newcomer"))
         v1.delete_namespaced_pod("stranded", NS)
         assert cluster.pod("stranded") is not None  # stuck terminating: no kubelet to finish it
         cluster.set_node_ready("only", True)
         cluster.wait(lambda: cluster.pod("stranded") is None, 5, "removal once back")
+        wait_phase(cluster, "newcomer", "Running")
 
 
 def test_nothing_left_running_after_stop(tmp_path: Path) -> None:
@@ -473,3 +544,6 @@ def test_nothing_left_running_after_stop(tmp_path: Path) -> None:
         pids = cluster.pod_pids("family")
     assert len(pids) >= 2 and not [pid for pid in pids if alive(pid)]
     assert set(threading.enumerate()) <= threads
+    host, port = cluster.url.removeprefix("http://").split(":")
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((host, int(port)), timeout=1)

@@ -30,8 +30,10 @@ What :class:`Store` does like the real server:
   and ``deletionGracePeriodSeconds``; the kubelet removes it after stopping its processes. Other
   objects go at once. Removing an object deletes its dependents (``ownerReferences``), at once
   rather than in the background, once all their owners are gone; ``propagationPolicy`` is
-  ignored. Deleting a namespace deletes what it holds and the namespace at once;
-* verbs forbidden by :meth:`Store.forbid` get the real ``403 Forbidden``.
+  ignored. ``preconditions`` (uid, resourceVersion) are checked (409 Conflict). Deleting a
+  namespace deletes what it holds and the namespace at once;
+* ``pods/{name}/log`` serves what the pod's processes wrote (``tailLines``; no ``follow``);
+* a (verb, resource) pair in :attr:`Store.forbidden` gets the real ``403 Forbidden``.
 
 Everything runs in the server's event loop thread: :class:`Store` methods are synchronous, so
 each one is atomic with respect to the watches and to the scheduler and kubelet, which call them
@@ -46,11 +48,14 @@ import contextlib
 import copy
 import datetime
 import json
+import logging
 import re
+import traceback
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp.web
@@ -62,6 +67,7 @@ from planaria_kubernetes.testing import semantics
 from planaria_kubernetes.testing.semantics import Obj
 
 USER = "system:serviceaccount:planaria:default"
+LOG = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,34 @@ KINDS: dict[str, Kind] = {
         Kind("namespaces", "Namespace", False, True),
     )
 }
+
+
+def _fold_string_data(secret: Obj) -> None:
+    """A Secret's write-only ``stringData`` goes base64-encoded into ``data``."""
+    string_data = secret.pop("stringData", None) or {}
+    if string_data:
+        data = secret.get("data") or {}
+        for key, value in string_data.items():
+            data[key] = base64.b64encode(str(value).encode()).decode()
+        secret["data"] = data
+
+
+def _qos_class(spec: Obj) -> str:
+    """Guaranteed (every container's cpu and memory limited, requests equal to the limits),
+    BestEffort (nothing requested nor limited) or Burstable."""
+    requested = False
+    guaranteed = True
+    for container in spec.get("containers") or []:
+        resources = container.get("resources") or {}
+        limits = resources.get("limits") or {}
+        requests = {**limits, **(resources.get("requests") or {})}
+        requested = requested or bool(requests)
+        for name in ("cpu", "memory"):
+            if name not in limits or str(requests.get(name)) != str(limits[name]):
+                guaranteed = False
+    if not requested:
+        return "BestEffort"
+    return "Guaranteed" if guaranteed else "Burstable"
 
 
 class ApiError(Exception):
@@ -189,7 +223,12 @@ class Store:
         self.watchers: set[Watcher] = set()
         self.listeners: list[asyncio.Event] = []  # set on every change (scheduler, kubelet)
         self.forbidden: set[tuple[str, str]] = set()
-        self.on_event: Callable[[str, Obj], None] | None = None
+        self.errors: list[str] = []  # tracebacks of the emulation's own failures
+
+    def report(self, where: str) -> None:
+        """Keep (and log) the exception being handled: a failure of the emulation itself."""
+        LOG.exception("emulated cluster: %s failed", where)
+        self.errors.append(f"{where}: {traceback.format_exc()}")
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -332,16 +371,10 @@ class Store:
             spec.setdefault("terminationGracePeriodSeconds", 30)
             spec.setdefault("schedulerName", "default-scheduler")
             spec.setdefault("dnsPolicy", "ClusterFirst")
-            status = obj.setdefault("status", {})
-            status.setdefault("phase", "Pending")
+            obj["status"] = {"phase": "Pending", "qosClass": _qos_class(spec)}
         elif kind.plural == "secrets":
             obj.setdefault("type", "Opaque")
-            string_data = obj.pop("stringData", None) or {}
-            if string_data:
-                data = obj.setdefault("data", {}) or {}
-                obj["data"] = data
-                for key, value in string_data.items():
-                    data[key] = base64.b64encode(str(value).encode()).decode()
+            _fold_string_data(obj)
         elif kind.plural == "namespaces":
             obj.setdefault("spec", {"finalizers": ["kubernetes"]})
             obj.setdefault("status", {"phase": "Active"})
@@ -401,6 +434,8 @@ class Store:
             new["kind"] = kind.kind
             if plural == "pods":
                 self._validate(kind, new)
+            if plural == "secrets":
+                _fold_string_data(new)
         return self._replace(plural, old, new)
 
     def _replace(self, plural: str, old: Obj, new: Obj) -> Obj:
@@ -453,10 +488,26 @@ class Store:
         return self._replace(plural, old, new)
 
     def delete(
-        self, plural: str, namespace: str | None, name: str, grace: int | None = None
+        self,
+        plural: str,
+        namespace: str | None,
+        name: str,
+        grace: int | None = None,
+        preconditions: Mapping[str, Any] | None = None,
     ) -> Obj:
         obj = self.get(plural, namespace, name)
         meta = obj["metadata"]
+        for key, field_name in (("uid", "UID"), ("resourceVersion", "ResourceVersion")):
+            wanted = (preconditions or {}).get(key)
+            if wanted is not None and str(wanted) != str(meta.get(key)):
+                raise ApiError(
+                    409,
+                    "Conflict",
+                    f'Operation cannot be fulfilled on {plural} "{name}": Precondition failed:'
+                    f" {field_name} in precondition: {wanted}, {field_name} in object meta:"
+                    f" {meta.get(key)}",
+                    {"name": name, "kind": plural},
+                )
         if plural == "pods":
             spec = obj.get("spec") or {}
             phase = (obj.get("status") or {}).get("phase")
@@ -605,6 +656,7 @@ class ApiServer(kmock.KubernetesScaffold):
     store: Store = attrs.field(factory=Store)
     log: list[tuple[str, str]] = attrs.field(factory=list)
     bookmark_interval: float = 5.0
+    pod_logs: Path | None = None  # where the kubelet writes <namespace>.<pod>.log
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -644,6 +696,10 @@ class ApiServer(kmock.KubernetesScaffold):
             return await self._serve(request, where)
         except ApiError as exc:
             return aiohttp.web.json_response(exc.status(), status=exc.code)
+        except Exception as exc:
+            self.store.report(f"{request.method.value} {request.url.path_qs}")
+            error = ApiError(500, "InternalError", f"an error on the server ({exc!r})")
+            return aiohttp.web.json_response(error.status(), status=500)
 
     async def _serve_server_version(self, request: kmock.Request) -> kmock.Payload:
         return {
@@ -674,6 +730,10 @@ class ApiServer(kmock.KubernetesScaffold):
         params = request.params
         method = request.method.value
         resource = where.plural + (f"/{where.subresource}" if where.subresource else "")
+        if (where.plural, where.subresource, method) == ("pods", "log", "GET"):
+            assert where.name is not None
+            store.check("get", resource, where.namespace, where.name)
+            return self._serve_log(where.namespace, where.name, params)
         if where.subresource not in (None, "status") or (
             where.subresource == "status" and not kind.has_status
         ):
@@ -696,6 +756,11 @@ class ApiServer(kmock.KubernetesScaffold):
                 return await self._watch(request, Watcher(where.plural, ns, labels, fields))
             store.check("list", resource, ns, None)
             return reply(store.list_objects(where.plural, ns, labels, fields))
+        if method == "GET" and params.get("watch") in ("true", "1", "True"):
+            assert where.name is not None  # the deprecated watch of one object by its path
+            store.check("watch", resource, ns, where.name)
+            one = [semantics.FieldRequirement("metadata.name", where.name, False)]
+            return await self._watch(request, Watcher(where.plural, ns, [], one))
         if method == "GET":
             assert where.name is not None
             store.check("get", resource, ns, where.name)
@@ -738,7 +803,9 @@ class ApiServer(kmock.KubernetesScaffold):
                         store.delete(where.plural, meta.get("namespace"), meta["name"], grace)
                 return reply(items)
             store.check("delete", resource, ns, where.name)
-            obj = store.delete(where.plural, ns, where.name, grace)
+            obj = store.delete(
+                where.plural, ns, where.name, grace, body.get("preconditions") or None
+            )
             if where.plural == "pods":
                 return reply(obj)
             return reply(
@@ -755,6 +822,26 @@ class ApiServer(kmock.KubernetesScaffold):
                 }
             )
         raise ApiError(405, "MethodNotAllowed", "the server does not allow this method")
+
+    def _serve_log(
+        self, namespace: str | None, name: str, params: Mapping[str, str]
+    ) -> aiohttp.web.StreamResponse:
+        """``pods/{name}/log``: what the pod's processes wrote (no ``follow``)."""
+        pod = self.store.get("pods", namespace, name)
+        path = self.pod_logs / f"{namespace}.{name}.log" if self.pod_logs else None
+        if path is None or not path.exists() or pod["status"].get("phase") == "Pending":
+            container = pod["spec"]["containers"][0]["name"]
+            raise ApiError(
+                400,
+                "BadRequest",
+                f'container "{container}" in pod "{name}" is waiting to start: ContainerCreating',
+            )
+        text = path.read_text(errors="replace")
+        tail = _int_param(params, "tailLines")
+        if tail is not None:
+            lines = text.splitlines(keepends=True)
+            text = "".join(lines[-tail:]) if tail > 0 else ""
+        return aiohttp.web.Response(text=text, content_type="text/plain")
 
     async def _watch(self, request: kmock.Request, watcher: Watcher) -> aiohttp.web.StreamResponse:
         raw = request._raw_request
@@ -815,6 +902,12 @@ class ApiServer(kmock.KubernetesScaffold):
                     await send(copy.deepcopy(seen))
         except (ConnectionError, RuntimeError):
             return response  # the client went away
+        except Exception as exc:
+            self.store.report(f"watch {request.url.path_qs}")
+            error = ApiError(500, "InternalError", f"an error on the server ({exc!r})")
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await send({"type": "ERROR", "object": error.status()})
+            return response
         finally:
             store.watchers.discard(watcher)
         with contextlib.suppress(ConnectionError, RuntimeError):

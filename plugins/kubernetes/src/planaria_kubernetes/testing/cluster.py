@@ -11,6 +11,15 @@ not know it is emulated::
 
 Everything runs in one background thread with its own event loop; the methods below are safe to
 call from any other thread.
+
+What it does not emulate (see each module for details): authentication (any token is accepted)
+and authorization beyond :meth:`EmulatedCluster.forbid`; API groups other than core ``v1``
+(pods, secrets, configmaps, events, serviceaccounts, nodes, namespaces); pagination (``limit`` is
+ignored, lists are whole); validation beyond names and containers (a pod's spec may be changed by
+an update); finalizers and foreground deletion; restarts (``restartPolicy`` is ``Never``), probes,
+init containers, volumes, resource limits at run time, networking (every pod and node is
+127.0.0.1, so ports are shared); node heartbeats, leases and evictions of pods from lost nodes;
+preemption.
 """
 
 from __future__ import annotations
@@ -25,9 +34,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import kmock
+import kubernetes
 import yaml
 
 from planaria_kubernetes.testing import semantics
@@ -43,6 +53,30 @@ UNREACHABLE_TAINT: Obj = {"key": "node.kubernetes.io/unreachable", "effect": "No
 VERBS = ("get", "list", "watch", "create", "update", "patch", "delete", "deletecollection")
 
 
+class _Server(kmock.Server):
+    """kmock's server without the aiohttp client session and the process-wide host-resolution
+    interceptor it adds for tests that reach it by name through aiohttp: clients here connect by
+    address, and clusters may then stop in any order."""
+
+    async def __aenter__(self) -> _Server:
+        server = self._server_cls(self.handler, host=self._host, port=self._port)
+        self._managed_server = server
+        await server.__aenter__()
+        self.handler.servers.append(self)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.handler.servers.remove(self)
+        server, self._managed_server = self._managed_server, None
+        if server is not None:
+            await server.__aexit__(exc_type, exc_value, traceback)
+
+
 class EmulatedCluster:
     """A context manager: entering starts the cluster, leaving stops it and its processes.
 
@@ -50,6 +84,10 @@ class EmulatedCluster:
     ``allocatable`` as capacity); ``namespace`` is created (with ``default``) and is the
     kubeconfig context's namespace; pods' output goes to ``log_dir`` (a temporary directory,
     removed on exit, when not given).
+
+    Attributes: ``url`` (``http://127.0.0.1:<port>``), ``kubeconfig`` (its path; context
+    ``emulated``, any token), ``namespace``, ``log_dir``, ``requests`` (``(method, path?query)``
+    of every API request received, the query percent-encoded as sent), ``errors``.
     """
 
     def __init__(
@@ -67,7 +105,7 @@ class EmulatedCluster:
         self.log_dir = Path(log_dir) if log_dir is not None else self._workdir / "logs"
         self.kubeconfig = self._workdir / "kubeconfig"
         self.url = ""
-        self.server = ApiServer()
+        self.server = ApiServer(pod_logs=self.log_dir)
         self.requests: list[tuple[str, str]] = self.server.log
         self.kubelet = Kubelet(
             store=self.server.store, nodes=set(self.node_names), log_dir=self.log_dir
@@ -152,7 +190,7 @@ class EmulatedCluster:
         for name in self.node_names:
             store.create("nodes", None, self._node(name))
         scheduler = Scheduler(store)
-        async with self.server, kmock.Server(self.server, host=LOCALHOST) as server:
+        async with self.server, _Server(self.server, host=LOCALHOST) as server:
             tasks = [
                 asyncio.create_task(scheduler.run(), name="scheduler"),
                 asyncio.create_task(self.kubelet.run(), name="kubelet"),
@@ -219,13 +257,17 @@ class EmulatedCluster:
 
     # -- for tests ----------------------------------------------------------------------------
 
-    def api(self) -> Any:
-        """A ``kubernetes.client.ApiClient`` configured for this cluster."""
-        import kubernetes
+    @property
+    def errors(self) -> list[str]:
+        """Tracebacks of the emulation's own failures (none expected; also logged)."""
+        return list(self.store.errors)
 
-        return kubernetes.config.new_client_from_config(  # type: ignore[no-untyped-call]
+    def api(self) -> kubernetes.client.ApiClient:
+        """A client configured for this cluster (from its kubeconfig)."""
+        client = kubernetes.config.new_client_from_config(  # type: ignore[no-untyped-call]
             config_file=str(self.kubeconfig)
         )
+        return cast(kubernetes.client.ApiClient, client)
 
     def set_node_ready(self, node: str, ready: bool, *, kill: bool = False) -> None:
         """Make a node Ready again, or not Ready: its kubelet stops (its pods stay as they are,

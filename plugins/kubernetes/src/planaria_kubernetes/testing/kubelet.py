@@ -88,13 +88,17 @@ class Kubelet:
     down: set[str] = field(default_factory=set)  # nodes whose kubelet is stopped
     containers: dict[str, Container] = field(default_factory=dict)  # by pod uid
     waiting: dict[str, _Waiting] = field(default_factory=dict)
+    orphans: list[subprocess.Popen[bytes]] = field(default_factory=list)  # killed, not reaped
 
     async def run(self) -> None:
         wakeup = asyncio.Event()
         self.store.listeners.append(wakeup)
         try:
             while True:
-                self.sync_once()
+                try:
+                    self.sync_once()
+                except Exception:
+                    self.store.report("the kubelet")
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(wakeup.wait(), self.interval)
                 wakeup.clear()
@@ -113,11 +117,16 @@ class Kubelet:
             try:
                 self._sync_pod(pod)
             except Exception as exc:  # a bug here must not stop every other pod
+                self.store.report(f"the kubelet, for pod {pod['metadata']['name']}")
                 self._fail(pod, "StartError", f"emulated kubelet: {exc!r}", 128)
         for uid, container in list(self.containers.items()):
             if uid not in alive_uids and container.node not in self.down:
-                self._kill(container)
+                # Removed while running (a forced deletion): kill it, reap it later.
+                if not container.reported:
+                    self._kill_group(container.process.pid, signal.SIGKILL)
+                    self.orphans.append(container.process)
                 self._forget(uid)
+        self.orphans = [process for process in self.orphans if process.poll() is None]
 
     def _sync_pod(self, pod: Obj) -> None:
         meta = pod["metadata"]
@@ -141,12 +150,15 @@ class Kubelet:
         meta = pod["metadata"]
         if container is not None and not container.reported:
             now = time.monotonic()
+            grace = int(meta.get("deletionGracePeriodSeconds") or 0)
             if container.term_sent is None:
                 container.term_sent = now
-                grace = int(meta.get("deletionGracePeriodSeconds") or 0)
-                container.kill_at = now + grace
                 self._kill_group(container.process.pid, signal.SIGTERM)
-            elif container.kill_at is not None and now >= container.kill_at:
+            # A second deletion may shorten the grace period.
+            kill_at = container.term_sent + grace
+            if container.kill_at is None or kill_at < container.kill_at:
+                container.kill_at = kill_at
+            if now >= container.kill_at:
                 self._kill_group(container.process.pid, signal.SIGKILL)
             return  # wait for it to exit: the next pass reports it, then removes the pod
         self.store.remove("pods", meta.get("namespace"), meta["name"])
@@ -424,11 +436,6 @@ class Kubelet:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, sig)
 
-    def _kill(self, container: Container) -> None:
-        self._kill_group(container.process.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            container.process.wait(timeout=5)
-
     def kill_node(self, node: str) -> None:
         """A dead machine: SIGKILL every process group of the node's pods."""
         for container in self.containers.values():
@@ -444,6 +451,11 @@ class Kubelet:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 container.process.wait(timeout=10)
             self._forget(uid)
+        for process in self.orphans:
+            self._kill_group(process.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=10)
+        self.orphans.clear()
 
     def pids(self, namespace: str, pod: str) -> list[int]:
         """The live (not zombie) processes of the pod's process group."""

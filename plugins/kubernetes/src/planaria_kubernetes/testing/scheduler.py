@@ -2,14 +2,14 @@
 
 A node fits a pod when, checked in the real scheduler's filter order (the first failing check is
 the node's reason, as there): it is not ``spec.unschedulable``; the pod tolerates its
-``NoSchedule``/``NoExecute`` taints (a not-ready node carries the real
-``node.kubernetes.io/unreachable`` taint); it matches ``spec.nodeSelector`` and the required node
-affinity (``In``, ``NotIn``, ``Exists``, ``DoesNotExist``, ``Gt``, ``Lt``; ``matchFields`` on
-``metadata.name``); its allocatable ``cpu``, ``memory``, ``pods`` and extended resources cover
-the pod's requests (a limit without a request counts as the request) on top of the non-terminal
-pods already bound there; and no required pod anti-affinity term, of the pod or of a pod on the
-node, is violated (only ``topologyKey: kubernetes.io/hostname``, within the pod's namespace
-unless the term names ``namespaces``).
+``NoSchedule``/``NoExecute`` taints (a node that is not Ready carries the real
+``node.kubernetes.io/unreachable`` or ``not-ready`` taint); it matches ``spec.nodeSelector``
+and the required node affinity (``In``, ``NotIn``, ``Exists``, ``DoesNotExist``, ``Gt``,
+``Lt``; ``matchFields`` on ``metadata.name``); its allocatable ``cpu``, ``memory``, ``pods``
+and extended resources cover the pod's requests (a limit without a request counts as the
+request) on top of the non-terminal pods already bound there; and no required pod anti-affinity
+term, of the pod or of a pod on the node, is violated (only ``topologyKey:
+kubernetes.io/hostname``, within the pod's namespace unless the term names ``namespaces``).
 
 Among fitting nodes it picks the one with the fewest bound non-terminal pods, then by name. When
 none fits, the pod gets ``PodScheduled False/Unschedulable`` with the real message format
@@ -33,6 +33,7 @@ from planaria_kubernetes.testing.apiserver import Store
 from planaria_kubernetes.testing.semantics import Obj
 
 HOSTNAME = "kubernetes.io/hostname"
+NODE_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
 
 
 def is_terminal(pod: Obj) -> bool:
@@ -136,7 +137,10 @@ class Scheduler:
 
     async def run(self) -> None:
         while True:
-            self.schedule_once()
+            try:
+                self.schedule_once()
+            except Exception:
+                self.store.report("the scheduler")
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.wakeup.wait(), self.interval)
             self.wakeup.clear()
@@ -210,7 +214,11 @@ class Scheduler:
         if spec.get("unschedulable"):
             return ["node(s) were unschedulable"]
         tolerations = (pod.get("spec") or {}).get("tolerations") or []
-        for taint in spec.get("taints") or []:
+        taints = list(spec.get("taints") or [])
+        if not node_ready(node) and not any(t.get("key") in NODE_TAINTS for t in taints):
+            # A node made not Ready by hand rather than by set_node_ready: the controller's taint.
+            taints.append({"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"})
+        for taint in taints:
             if taint.get("effect") in ("NoSchedule", "NoExecute") and not _tolerates(
                 tolerations, taint
             ):

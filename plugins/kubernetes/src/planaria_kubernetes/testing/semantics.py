@@ -135,6 +135,11 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "spec.unschedulable": ("spec", "unschedulable"),
     "status.phase": ("status", "phase"),
     "type": ("type",),
+    "reason": ("reason",),
+    "involvedObject.kind": ("involvedObject", "kind"),
+    "involvedObject.name": ("involvedObject", "name"),
+    "involvedObject.namespace": ("involvedObject", "namespace"),
+    "involvedObject.uid": ("involvedObject", "uid"),
 }
 
 
