@@ -146,31 +146,36 @@ class Scheduler:
             self.wakeup.clear()
 
     def schedule_once(self) -> None:
+        pods = self.store.all("pods")
         pending = [
             pod
-            for pod in self.store.all("pods")
+            for pod in pods
             if not (pod.get("spec") or {}).get("nodeName")
             and not pod["metadata"].get("deletionTimestamp")
             and not is_terminal(pod)
             and (pod.get("spec") or {}).get("schedulerName", "default-scheduler")
             == "default-scheduler"
         ]
+        if not pending:
+            return
         pending.sort(key=lambda pod: int(pod["metadata"]["resourceVersion"]))
-        for pod in pending:
-            self._schedule(pod)
-
-    def _schedule(self, pod: Obj) -> None:
+        # The nodes and what runs on each, once per pass: a pass over many pending pods
+        # stays linear in them.
         nodes = self.store.all("nodes")
-        bound = [
-            other
-            for other in self.store.all("pods")
-            if (other.get("spec") or {}).get("nodeName") and not is_terminal(other)
-        ]
+        on_nodes: dict[str, list[Obj]] = {}
+        for other in pods:
+            where = (other.get("spec") or {}).get("nodeName")
+            if where and not is_terminal(other):
+                on_nodes.setdefault(where, []).append(other)
+        for pod in pending:
+            self._schedule(pod, nodes, on_nodes)
+
+    def _schedule(self, pod: Obj, nodes: list[Obj], on_nodes: dict[str, list[Obj]]) -> None:
         fitting: list[tuple[int, str]] = []
         reasons: Counter[str] = Counter()
         for node in nodes:
             name = node["metadata"]["name"]
-            on_node = [other for other in bound if other["spec"]["nodeName"] == name]
+            on_node = on_nodes.get(name, [])
             failures = self._check(pod, node, on_node)
             if failures:
                 reasons.update(failures)
@@ -184,7 +189,9 @@ class Scheduler:
                 obj.setdefault("spec", {})["nodeName"] = target
                 self._set_condition(obj, "True", None, None)
 
-            self.store.mutate("pods", meta.get("namespace"), meta["name"], bind)
+            bound = self.store.mutate("pods", meta.get("namespace"), meta["name"], bind)
+            if bound is not None:
+                on_nodes.setdefault(target, []).append(bound)
             self._event(
                 pod,
                 "Normal",
