@@ -134,3 +134,85 @@ def test_deleting_the_owner_deletes_the_job(cluster: EmulatedCluster, spec: Laun
         assert pods.secret_name(spec) not in secrets
     finally:
         k8s.stop()
+
+
+def test_pods_of_a_node_gone_not_ready_or_evicted_are_lost(
+    cluster: EmulatedCluster, spec: LaunchSpec
+) -> None:
+    k8s = scheduler(cluster)
+    client = __import__("kubernetes").client
+    core = client.CoreV1Api(cluster.api())
+    try:
+        stranded, evicted = k8s.launch(spec, 2)
+        cluster.set_node_ready(stranded.host, False)
+        # What a kubelet writes when it evicts a pod (node pressure).
+        core.patch_namespaced_pod_status(
+            pods.pod_name(spec, evicted.node_id),
+            cluster.namespace,
+            {"status": {"phase": "Failed", "reason": "Evicted", "message": "low on memory"}},
+        )
+        events = {e.node_id: e for e in ends(k8s, 2)}
+        assert events[stranded.node_id].state is NodeState.LOST
+        assert f"Kubernetes node {stranded.host} is NotReady" in events[stranded.node_id].reason
+        assert events[evicted.node_id].state is NodeState.LOST
+        assert "evicted: low on memory" in events[evicted.node_id].reason
+    finally:
+        cluster.set_node_ready(stranded.host, True)
+        k8s.stop()
+
+
+def test_a_restarted_master_adopts_the_pods_and_sees_one_gone(
+    cluster: EmulatedCluster, spec: LaunchSpec
+) -> None:
+    first = scheduler(cluster)
+    handles = first.launch(spec, 2)
+    first._disconnect()  # the master died: its pods and Secret live on
+    second = scheduler(cluster)
+    try:
+        kept, gone = handles
+        core = __import__("kubernetes").client.CoreV1Api(cluster.api())
+        core.delete_namespaced_pod(pods.pod_name(spec, gone.node_id), cluster.namespace)
+        cluster.wait(lambda: cluster.pod(pods.pod_name(spec, gone.node_id)) is None, 30, "gone")
+        second.adopt(spec, handles, set())
+        (event,) = ends(second, 1)
+        assert event.node_id == gone.node_id and event.state is NodeState.LOST
+        assert f"its pod {pods.pod_name(spec, gone.node_id)} is gone" in event.reason
+        assert cluster.pod_pids(pods.pod_name(spec, kept.node_id))
+        assert second.poll(0.5) == []
+        (new,) = second.launch(spec, 1)  # new ids do not reuse an adopted one
+        assert new.node_id not in {h.node_id for h in handles}
+    finally:
+        second.stop()
+    assert pods.secret_name(spec) not in [s["metadata"]["name"] for s in cluster.objects("secrets")]
+
+
+def test_deleting_the_master_s_pod_deletes_the_job(
+    cluster: EmulatedCluster, spec: LaunchSpec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = __import__("kubernetes").client
+    core = client.CoreV1Api(cluster.api())
+    # The master's pod, as the manifests' Job makes it (kept pending: it runs nothing here).
+    master = core.create_namespaced_pod(
+        cluster.namespace,
+        client.V1Pod(
+            metadata=client.V1ObjectMeta(name=f"master-{spec.run_id}"),
+            spec=client.V1PodSpec(
+                containers=[client.V1Container(name="master", image="planaria-test:1")],
+                node_selector={"no-such-label": "x"},
+            ),
+        ),
+    )
+    monkeypatch.setenv("PLANARIA_POD_NAME", master.metadata.name)
+    k8s = scheduler(cluster)  # owner: auto
+    try:
+        (node,) = k8s.launch(spec, 1)
+        name = pods.pod_name(spec, node.node_id)
+        pod = cluster.pod(name)
+        assert pod is not None
+        assert pod["metadata"]["ownerReferences"][0]["uid"] == master.metadata.uid
+        core.delete_namespaced_pod(master.metadata.name, cluster.namespace)
+        cluster.wait(lambda: cluster.pod(name) is None, 30, "the job's pod gone with its master")
+        secrets = [s["metadata"]["name"] for s in cluster.objects("secrets")]
+        assert pods.secret_name(spec) not in secrets
+    finally:
+        k8s.stop()
