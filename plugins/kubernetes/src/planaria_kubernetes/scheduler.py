@@ -415,9 +415,11 @@ class KubernetesScheduler(Scheduler[KubernetesOptions]):
 
     def _cordon(self, host: str) -> None:
         try:
+            from kubernetes import client
+
             self._core.patch_node(
                 host,
-                {"spec": {"unschedulable": True}},
+                client.V1Node(spec=client.V1NodeSpec(unschedulable=True)),
                 _request_timeout=self.options.request_timeout,
             )
             log.warning("kubernetes node cordoned", k8s_node=host)
