@@ -235,6 +235,11 @@ async def _body(request: web.Request, model: type[M]) -> M:
         raise BadRequest(
             _error(408, f"the request body did not arrive within {limits.request_timeout:g}s")
         ) from None
+    return _parse(raw, model)
+
+
+def _parse(raw: bytes, model: type[M]) -> M:
+    """A body read strictly as ``model`` says; BadRequest (400) naming what is wrong."""
     try:
         data = pydantic_core.from_json(raw, allow_inf_nan=False)
     except ValueError as exc:
@@ -301,6 +306,28 @@ def _handler(route: Route, context: Context) -> Handler:
     return handle
 
 
+def _refusal(exc: Exception, method: str, path: str) -> web.Response:
+    """The answer to a request whose serving raised ``exc`` (called in its ``except``)."""
+    if isinstance(exc, BadRequest):
+        return exc.response
+    if isinstance(exc, Fenced):
+        return _error(410, str(exc))
+    if isinstance(exc, NotAttached):
+        return _error(409, f"node {exc.args[0]!r}: re-attach first (a new master)")
+    if isinstance(exc, UnknownNode):
+        return _error(404, f"unknown node {exc.args[0]!r}: register first")
+    if isinstance(exc, BadReport):
+        return _invalid(str(exc), [])
+    if isinstance(exc, Conflict):
+        return _error(409, str(exc))
+    if isinstance(exc, RegistrationRefused):
+        if exc.retry:
+            return _error(503, str(exc), retry=True)
+        return _error(403, str(exc))
+    log.exception("API request failed", method=method, path=path)
+    return _error(500, f"the master failed to serve {path}: {exc!r}")
+
+
 LIMITS: web.AppKey[ServerLimits] = web.AppKey("limits", ServerLimits)
 BOOK: web.AppKey[_Connections] = web.AppKey("connections", _Connections)
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="planaria"'}
@@ -357,22 +384,6 @@ def make_app(
                 )
         try:
             return await handler(request)
-        except BadRequest as bad:
-            return bad.response
-        except Fenced as exc:
-            return _error(410, str(exc))
-        except NotAttached as exc:
-            return _error(409, f"node {exc.args[0]!r}: re-attach first (a new master)")
-        except UnknownNode as exc:
-            return _error(404, f"unknown node {exc.args[0]!r}: register first")
-        except BadReport as exc:
-            return _invalid(str(exc), [])
-        except Conflict as exc:
-            return _error(409, str(exc))
-        except RegistrationRefused as exc:
-            if exc.retry:
-                return _error(503, str(exc), retry=True)
-            return _error(403, str(exc))
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -381,8 +392,7 @@ def make_app(
                 exc.status, f"{request.method} {request.path}: {exc.reason}", headers=allow
             )
         except Exception as exc:
-            log.exception("API request failed", method=request.method, path=request.path)
-            return _error(500, f"the master failed to serve {request.path}: {exc!r}")
+            return _refusal(exc, request.method, request.path)
 
     limits = limits or ServerLimits()
     app = web.Application(middlewares=[timed, guard], client_max_size=limits.max_request_bytes)
