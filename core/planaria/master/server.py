@@ -24,9 +24,11 @@ from typing import Any, TypeVar
 
 import pydantic_core
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 from pydantic import BaseModel, RootModel, ValidationError
 
 from planaria.log import get_logger
+from planaria.master import wire
 from planaria.master.job import Master
 from planaria.master.metrics import JobMetrics
 from planaria.master.routes import JSON, ROUTES, Context, Route
@@ -66,6 +68,9 @@ class _Connections:
         self.guards: dict[asyncio.BaseTransport, _Guard] = {}
         self.refused = 0
         self._sweep: asyncio.TimerHandle | None = None
+        self.hot: _Hot | None = None
+        """Reads and answers the hot routes' requests at the byte level; None: the server
+        serves every request."""
 
     def watch(self) -> None:
         """Look for connections past their deadline a few times per time limit: one timer
@@ -88,9 +93,10 @@ class _Guard(asyncio.Protocol):
     """Wraps one aiohttp connection protocol: a request header must be complete within the
     time limit from the connection's opening or the first byte of the request (aiohttp itself
     waits forever for a header that never ends), and a client address over its connection
-    limit is cut off at once."""
+    limit is cut off at once. A hot route's request that comes whole and plain is served by
+    :class:`_Hot` instead of aiohttp, when aiohttp is between two requests."""
 
-    def __init__(self, inner: asyncio.Protocol, book: _Connections) -> None:
+    def __init__(self, inner: RequestHandler, book: _Connections) -> None:
         self.inner = inner
         self.book = book
         self.transport: asyncio.Transport | None = None
@@ -98,6 +104,11 @@ class _Guard(asyncio.Protocol):
         self.in_handler = False
         self.deadline: float | None = None
         """When the request now arriving must be in (monotonic clock); None: no request is."""
+        self.framer = wire.Framer()
+        """Where aiohttp's parser stands in what it was given of this connection."""
+        self.serving: asyncio.Task[None] | None = None
+        """The hot request being served; what comes meanwhile waits in :attr:`held`."""
+        self.held = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -140,11 +151,48 @@ class _Guard(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.transport is None:
             return
+        if self.serving is not None:  # pipelined behind a hot request: in order, after it
+            if not self.held:
+                self.transport.pause_reading()
+            self.held += data
+            return
+        hot = self.book.hot
+        if hot is not None and self.framer.between and hot.take(self, data):
+            return
         self._arm()  # a new request starts: its header is due within the limit
+        if hot is not None:
+            self.framer.feed(data)
         self.inner.data_received(data)
 
+    def served(self, answer: bytes | None, *, close: bool = False) -> None:
+        """The hot request is answered (``answer``: the whole response; None: it was cut
+        short, and so is the connection); what came meanwhile is read now."""
+        self.serving = None
+        inner = self.inner
+        # What aiohttp does at the end of each request it serves: a shutdown waiting for it
+        # goes on, and the connection's idle time starts again.
+        inner._request_in_progress = False
+        if inner._handler_waiter is not None and not inner._handler_waiter.done():
+            inner._handler_waiter.set_result(None)
+        inner._next_keepalive_close_time = inner._loop.time() + inner._keepalive_timeout
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if answer is None or close:
+            if answer is not None:
+                transport.write(answer)
+            transport.close()
+            return
+        transport.write(answer)
+        if self.held:
+            held, self.held = self.held, b""
+            transport.resume_reading()
+            self.data_received(held)
+
     def eof_received(self) -> bool | None:
-        return self.inner.eof_received() if self.transport is not None else None
+        if self.transport is not None:
+            self.inner.eof_received()
+        return None  # the transport closes itself
 
     def pause_writing(self) -> None:
         self.inner.pause_writing()
@@ -161,6 +209,135 @@ class _Guard(asyncio.Protocol):
         if self.book.per_client[self.client] <= 0:
             del self.book.per_client[self.client]
         self.inner.connection_lost(exc)
+
+
+_AIOHTTP_STATE = (
+    "_loop",
+    "_waiter",
+    "_messages",
+    "_close",
+    "_force_close",
+    "_payload_parser",
+    "_upgraded",
+    "_request_in_progress",
+    "_handler_waiter",
+    "_next_keepalive_close_time",
+    "_keepalive_timeout",
+)
+"""What :class:`_Hot` reads and keeps up of aiohttp's connection state, which is not public:
+with an aiohttp that lacks any of it, aiohttp serves every request."""
+
+
+class _Hot:
+    """The hot routes' requests (:attr:`Route.hot`), read and answered at the byte level
+    (:mod:`planaria.master.wire`) when one comes whole, in the plain form agents send, with
+    the job's token and a valid body: at a fraction of what aiohttp's request machinery costs.
+    Its answers, errors included, are those of the aiohttp path, byte for byte but the Date.
+    Any other request (a bad token, a malformed or oversized body, a header it does not take)
+    goes to aiohttp as it came, which answers it as always."""
+
+    def __init__(
+        self, routes: Sequence[Route], context: Context, expected: bytes, limits: ServerLimits
+    ) -> None:
+        self.routes = {r.path.encode(): r for r in routes}
+        self.context = context
+        self.expected = expected
+        self.limits = limits
+        self.taken = 0
+        """Requests served here so far."""
+
+    def take(self, guard: _Guard, data: bytes) -> bool:
+        """Serve ``data`` if it is one whole hot request and aiohttp is idle on this
+        connection (it waits for a request, and has nothing of one): whether it did."""
+        inner = guard.inner
+        if (
+            inner._waiter is None
+            or inner._messages
+            or inner._close
+            or inner._force_close
+            or inner._payload_parser is not None
+            or inner._upgraded
+        ):
+            return False
+        found = wire.whole_request(data)
+        if found is None:
+            return False
+        head, raw = found
+        route = self.routes.get(head.target)
+        if route is None or route.request is None or head.method != b"POST" or head.minor != 1:
+            return False
+        connection = head.fields.get(b"connection")
+        if connection is not None and connection.lower() != b"keep-alive":
+            return False
+        if len(raw) > self.limits.max_request_bytes:
+            return False
+        if not hmac.compare_digest(head.fields.get(b"authorization", b""), self.expected):
+            return False
+        try:
+            body = _parse(raw, route.request)
+        except BadRequest:
+            return False
+        self.taken += 1
+        guard.handler_entered()
+        inner._request_in_progress = True
+        inner._next_keepalive_close_time = inner._loop.time() + inner._keepalive_timeout
+        guard.serving = inner._loop.create_task(self._serve(guard, route, body))
+        return True
+
+    async def _serve(self, guard: _Guard, route: Route, body: BaseModel) -> None:
+        answer: bytes | None = None
+        close = False
+        try:
+            try:
+                reply = route.call(self.context, body)
+                if inspect.isawaitable(reply):
+                    reply = await reply
+                if not isinstance(reply, route.reply):
+                    raise TypeError(
+                        f"{route.method} {route.path} answered {type(reply).__name__}, "
+                        f"not its {route.reply.__name__}"
+                    )
+                answer = wire.reply(200, reply.model_dump_json().encode())
+            except Exception as exc:
+                answer = _wire_response(_refusal(exc, route.method, route.path))
+            finally:
+                guard.handler_left()
+                # On disk before it is answered, as every request (``timed``).
+                await self.context.master.journal_written()
+        except asyncio.CancelledError:
+            answer = None  # perhaps not on disk: no answer, the connection is closed
+            raise
+        except Exception:
+            # The journal failed: answered as aiohttp answers a request whose serving
+            # raised, and the connection closed.
+            log.exception("API request failed", method=route.method, path=route.path)
+            answer = _failed()
+            close = True
+        finally:
+            guard.served(answer, close=close)
+
+
+def _failed() -> bytes:
+    return wire.reply(
+        500,
+        b"500 Internal Server Error\n\nServer got itself in trouble",
+        reason=b"Internal Server Error",
+        content_type=b"text/plain; charset=utf-8",
+        fields=b"Connection: close\r\n",
+    )
+
+
+def _wire_response(response: web.Response) -> bytes:
+    """A JSON response of the aiohttp path as bytes on the wire, as aiohttp writes them."""
+    assert isinstance(response.body, bytes)
+    fields = b"".join(
+        f"{name}: {value}\r\n".encode()
+        for name, value in response.headers.items()
+        if name != "Content-Type"
+    )
+    return wire.reply(
+        response.status, response.body, reason=response.reason.encode(), fields=fields
+    )
 
 
 def _json(
@@ -401,6 +578,11 @@ def make_app(
     context = Context(master=master, hold=hold, join_hold=join_hold, metrics=JobMetrics(master))
     for route in routes:
         app.router.add_route(route.method, route.path, _handler(route, context))
+    hot = [r for r in routes if r.hot and r.request is not None and r.media_type == JSON]
+    if hot and all(hasattr(RequestHandler, name) for name in _AIOHTTP_STATE):
+        app[BOOK].hot = _Hot(
+            [r for r in hot if (r.method, r.path) not in public], context, expected, limits
+        )
     return app
 
 
