@@ -14,7 +14,6 @@ import asyncio
 import hmac
 import inspect
 import math
-import re
 import ssl
 import time
 from collections import Counter
@@ -421,7 +420,7 @@ def _parse(raw: bytes, model: type[M]) -> M:
         data = pydantic_core.from_json(raw, allow_inf_nan=False)
     except ValueError as exc:
         raise BadRequest(_invalid(f"invalid {model.__name__}", [f"<body>: {exc}"])) from None
-    if not _OVERFLOW.search(raw):  # no number can have become infinite: as agents send it
+    if not _may_overflow(raw):  # no number can have become infinite: as agents send it
         try:
             return model.model_validate(data, strict=True)
         except ValidationError:
@@ -442,10 +441,28 @@ def _parse(raw: bytes, model: type[M]) -> M:
         raise BadRequest(_invalid(f"invalid {model.__name__}", problems)) from None
 
 
-_OVERFLOW = re.compile(rb"[0-9.][eE][+-]?[0-9]{3}|[0-9]{200}")
-"""What a JSON number must look like to overflow a float (a three-digit exponent, or 200 digits
-in a row: fewer, times an exponent under 100, stay below 1e299): a body without it is validated
-as it parsed, with no walk over its values."""
+_CLASSES = bytes(
+    {**dict.fromkeys(b"0123456789", 48), 46: 46, 101: 101, 69: 101, 43: 43, 45: 43}.get(i, 32)
+    for i in range(256)
+)
+"""Each byte's class: digit ``0``, point ``.``, exponent ``e``, sign ``+``, other ``" "``."""
+_RUN = b"0" * 200
+
+
+def _may_overflow(raw: bytes) -> bool:
+    """Whether a JSON number in ``raw`` may overflow a float: a three-digit exponent after a
+    digit or a point, or 200 digits in a row (fewer, times an exponent under 100, stay below
+    1e299). A body without one is validated as it parsed, with no walk over its values.
+
+    The bytes are mapped to their class (digit, point, exponent, sign, other) and the shapes
+    looked for as plain substrings: several times faster than a regular expression, which
+    costs more than the parse itself on a heartbeat of 8 ranks."""
+    shape = raw.translate(_CLASSES)
+    if _RUN in shape:
+        return True
+    if b"e000" not in shape and b"e+000" not in shape:  # the usual body: no exponent so large
+        return False
+    return any(s in shape for s in (b"0e000", b".e000", b"0e+000", b".e+000"))
 
 
 def _numbers(value: Any) -> Any:
