@@ -44,8 +44,8 @@ class Head:
     minor: int
     """1 for HTTP/1.1, 0 for HTTP/1.0."""
     fields: dict[bytes, bytes]
-    """Header fields by lower-case name, each value stripped of the white space around it.
-    A name that came more than once is not here (see :attr:`repeated`)."""
+    """Header fields by lower-case name, each value stripped of the white space around it (a
+    name that came more than once: its last value, and :attr:`repeated` is set)."""
     repeated: bool
     """A field name came more than once."""
 
