@@ -79,6 +79,10 @@ class Route:
     media_type: str = JSON
     """The reply's media type. Other than JSON, the reply model is a string's (a
     ``RootModel[str]``), served as it is."""
+    hot: bool = False
+    """Sent by every node all the time (the heartbeat): the server reads and answers it at the
+    byte level when it comes whole and plain (:mod:`planaria.master.wire`), the same way, at a
+    fraction of the cost. Only for a JSON route with a body that needs the token."""
 
     @property
     def operation_id(self) -> str:
@@ -143,6 +147,7 @@ ROUTES: tuple[Route, ...] = (
         "A node's progress; with wait, held until an action is due (a long poll)",
         lambda c, beat: _heartbeat(c, beat),
         errors=NODE,
+        hot=True,
     ),
     Route(
         "POST",
