@@ -26,6 +26,11 @@ R = TypeVar("R", bound=BaseModel)
 log = get_logger("agent")
 
 MAX_DELAY = 1.0
+NOT_YET_PATIENCE = 1800.0
+"""How long an agent keeps asking while the master answers "not yet" (503: its node's launch is
+in flight). The master is there and says so; its launch is what bounds the wait: a scheduler
+that returns once every node runs (kubernetes, until images are pulled: its
+``start_timeout``) keeps the first agents waiting that long."""
 """The longest wait between two tries: a restarted master hears from every agent soon."""
 
 
@@ -123,7 +128,7 @@ class MasterClient:
                     f"{exc.expected.hex()[:16]}... ({FINGERPRINT_ENV})"
                 ) from None
             except _NotYet as exc:  # it answers: only not yet what we asked
-                if time.monotonic() - asked > self.give_up_after:
+                if time.monotonic() - asked > max(self.give_up_after, NOT_YET_PATIENCE):
                     raise MasterUnreachable(f"master at {self.url} kept saying {exc}") from exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, MAX_DELAY)
