@@ -165,11 +165,13 @@ def test_a_restarted_master_adopts_the_pods_and_sees_one_gone(
     cluster: EmulatedCluster, spec: LaunchSpec
 ) -> None:
     first = scheduler(cluster)
-    handles = first.launch(spec, 2)
+    handles = first.launch(spec, 3)
     first._disconnect()  # the master died: its pods and Secret live on
     second = scheduler(cluster)
     try:
-        kept, gone = handles
+        kept, gone, out = handles
+        # The earlier master had declared `out` lost: the new one deletes its pod.
+        handles[2] = out.model_copy(update={"state": NodeState.LOST})
         core = __import__("kubernetes").client.CoreV1Api(cluster.api())
         core.delete_namespaced_pod(pods.pod_name(spec, gone.node_id), cluster.namespace)
         cluster.wait(lambda: cluster.pod(pods.pod_name(spec, gone.node_id)) is None, 30, "gone")
@@ -178,6 +180,8 @@ def test_a_restarted_master_adopts_the_pods_and_sees_one_gone(
         assert event.node_id == gone.node_id and event.state is NodeState.LOST
         assert f"its pod {pods.pod_name(spec, gone.node_id)} is gone" in event.reason
         assert cluster.pod_pids(pods.pod_name(spec, kept.node_id))
+        out_pod = pods.pod_name(spec, out.node_id)
+        cluster.wait(lambda: cluster.pod(out_pod) is None, 30, "the lost node's pod deleted")
         assert second.poll(0.5) == []
         (new,) = second.launch(spec, 1)  # new ids do not reuse an adopted one
         assert new.node_id not in {h.node_id for h in handles}

@@ -291,6 +291,21 @@ class KubernetesScheduler(Scheduler[KubernetesOptions]):
         """Find a restarted master's pods again by name; one that is gone is reported lost."""
         self._connect(spec)
         self._secret_made = True  # the earlier master made it; the job still needs it
+        if self._owner is None:  # then the Secret owns the pods: so it does the new ones
+            try:
+                secret = self._core.read_namespaced_secret(
+                    pods.secret_name(spec),
+                    self._namespace,
+                    _request_timeout=self.options.request_timeout,
+                )
+            except Exception as exc:
+                raise api.error(
+                    f"cannot read the job's Secret {pods.secret_name(spec)}", exc
+                ) from exc
+            self._pods_owner = OwnerRef(
+                api_version="v1", kind="Secret", name=secret.metadata.name, uid=secret.metadata.uid
+            )
+        stale = []
         with self._lock:
             for host in excluded:
                 self._excluded.setdefault(host, "excluded by an earlier master")
@@ -303,8 +318,11 @@ class KubernetesScheduler(Scheduler[KubernetesOptions]):
                 self._by_pod[node.pod] = node
                 assert self._pods_informer is not None
                 current = self._pods_informer.objects.get(node.pod)
-                if handle.state is NodeState.LOST:
-                    node.reported = node.gone = current is None
+                if handle.state is NodeState.LOST:  # out of the job: its pod must go
+                    node.reported = True
+                    node.gone = current is None
+                    if current is not None:
+                        stale.append(node)
                     continue
                 if current is None:
                     node.gone = True
@@ -312,6 +330,7 @@ class KubernetesScheduler(Scheduler[KubernetesOptions]):
                 else:
                     self._observe(node, current)
                     log.info("node adopted", node=node.node_id, pod=node.pod)
+        self._delete(stale)
 
     def excluded_hosts(self) -> set[str]:
         with self._lock:
@@ -328,7 +347,11 @@ class KubernetesScheduler(Scheduler[KubernetesOptions]):
         self._client = api.connect(self.options)
         self._core = client.CoreV1Api(self._client)
         self._namespace = api.namespace(self.options)
-        self._owner = self._find_owner()
+        try:
+            self._owner = self._find_owner()
+        except BaseException:
+            self._disconnect()
+            raise
         timeout = self.options.request_timeout
         self._pods_informer = Informer(
             "pods",
