@@ -80,7 +80,14 @@ def wait_for(
 class Job:
     """``planaria run`` inside the master's namespace, its nodes in n0, n1 (and n2)."""
 
-    def __init__(self, net: Network, workdir: Path, mark: str, **master: object) -> None:
+    def __init__(
+        self,
+        net: Network,
+        workdir: Path,
+        mark: str,
+        chaos: list[dict[str, object]] | None = None,
+        **master: object,
+    ) -> None:
         self.net = net
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
@@ -115,6 +122,8 @@ class Job:
             },
             "diagnosis": {"checks": []},
         }
+        if chaos:
+            config["chaos"] = chaos
         (workdir / "job.yaml").write_text(yaml.safe_dump(config))
         self.output = workdir / "output.txt"
         env = {**os.environ, MARK: mark, "COLUMNS": "200"}
@@ -191,8 +200,8 @@ class Job:
 def job(network: Callable[..., Network], tmp_path: Path, mark: str) -> Iterator[Callable[..., Job]]:
     started: list[Job] = []
 
-    def start(**master: object) -> Job:
-        one = Job(network(*PARTICIPANTS), tmp_path / f"job-{len(started)}", mark, **master)
+    def start(chaos: list[dict[str, object]] | None = None, **master: object) -> Job:
+        one = Job(network(*PARTICIPANTS), tmp_path / f"job-{len(started)}", mark, chaos, **master)
         started.append(one)
         return one
 
@@ -250,10 +259,13 @@ def test_a_cut_shorter_than_the_heartbeat_timeout_costs_no_restart(
 def test_a_cut_longer_than_the_timeout_replaces_the_node_which_stops_once_healed(
     job: Callable[..., Job], fault_free: dict[str, Any]
 ) -> None:
-    # The old node must still be waiting for the master when the cut heals: on a loaded
-    # machine the replacement's round can take longer than the default grace (60 s), past
-    # which the old node would stop by itself, unfenced.
-    run = job(grace="600s")
+    # The old node must still be waiting for the master when the cut heals, and the job
+    # still running when its first request after the heal gets through: on a loaded machine
+    # the replacement's round can take longer than the default grace (60 s), past which the
+    # old node would stop by itself, and the job could end (stopping every node) first. So
+    # rank 0 stops itself at step 30 of the round after the loss until the old node is out.
+    hold = {"kind": "stop_worker", "rank": 0, "at_step": 30, "attempt": 1}
+    run = job(chaos=[hold], grace="600s")
     run.training(CUT_AT)
     old = run.net.pids("n1")
     assert old
@@ -280,6 +292,10 @@ def test_a_cut_longer_than_the_timeout_replaces_the_node_which_stops_once_healed
     # It was stopped by the master's word: fenced, as a node declared lost.
     (fenced,) = run.events("node_fenced")
     assert fenced["node"] == "node-1"
+    assert run.proc.poll() is None, "the job ended before the old node heard from it"
+    # Rank 0, held at step 30, goes on.
+    (held,) = wait_for("rank 0 to stop at step 30", lambda: stopped(run.net.pids()), 90, run)
+    os.kill(held, signal.SIGCONT)
 
     assert run.finish() == 0, run.tail()
     assert len(run.events("workers_restarted")) == 1
@@ -288,6 +304,20 @@ def test_a_cut_longer_than_the_timeout_replaces_the_node_which_stops_once_healed
     assert run.events("checkpoint_committed")
     assert_same_weights(run.weights(), fault_free)
     print(f"old node stopped {stopped_after:.1f}s after the heal (cut {cut_for:.1f}s)")
+
+
+def stopped(pids: list[int]) -> list[int]:
+    """The processes among ``pids`` stopped by a signal (state T)."""
+    found = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if stat[stat.rfind(b")") + 2 :][:1] == b"T":
+            found.append(pid)
+    return found
 
 
 def test_a_cut_master_within_its_grace_costs_no_restart(

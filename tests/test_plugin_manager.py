@@ -116,10 +116,11 @@ def test_unknown_name_lists_installed_ones_and_the_package_to_install(plugin_pat
     with pytest.raises(PluginNotFoundError, match="pip install planaria-fsspec"):
         manager.resolve(PluginKind.CHECKPOINT_STORAGE, "fsspec")
     with pytest.raises(PluginNotFoundError) as exc:  # no such distribution: nothing to install
-        manager.resolve(PluginKind.SCHEDULER, "ray")
+        manager.resolve(PluginKind.SCHEDULER, "nosuchcluster")
     assert "pip install" not in str(exc.value) and "Choose one of: local" in str(exc.value)
-    with pytest.raises(PluginNotFoundError, match="pip install planaria-slurm"):
-        manager.resolve(PluginKind.SCHEDULER, "slurm")
+    for name in ("slurm", "ray", "kubernetes"):  # this repository's schedulers
+        with pytest.raises(PluginNotFoundError, match=f"pip install planaria-{name}"):
+            manager.resolve(PluginKind.SCHEDULER, name)
     if "nvidia" not in {ep.name for ep in entry_points(group="planaria")}:
         with pytest.raises(PluginNotFoundError, match="pip install planaria-nvidia"):
             manager.resolve(PluginKind.HEALTH_CHECK, "NVIDIA")
