@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_jobs import job, on_ray, paused_run
+from test_jobs import finished, job, on_ray, paused_run
 
 from planaria.testing.jobs import job_events, wait_for
 from planaria_ray.testing import LocalCluster
@@ -61,8 +61,10 @@ def test_a_lost_node_with_no_free_ray_node_shrinks_an_elastic_job(
             return next(found, None)
 
         event = wait_for("the replacement's failure", failed)
-        output, _ = run.communicate(timeout=240)
+        output = finished(run)
     assert run.returncode == 0, output
+    # No replacement went to the killed raylet's node while the GCS still listed it alive.
+    assert "node=node-3" not in output, output
     assert event["data"]["nodes_left"] == 2, event
     assert "no free Ray node" in event["data"]["error"], event
     last = [e for e in job_events(tmp_path) if e["kind"] == "rendezvous_completed"][-1]

@@ -74,6 +74,8 @@ class _Node:
     done: Any = None
     """The reference ``wait()`` gives: the agent's exit, or the actor's death."""
     since: float = field(default_factory=time.monotonic)
+    ask_at: float | None = None
+    """When to ask ``wait()`` again, after Ray found the actor unreachable."""
     reported: bool = False
     released: bool = False
 
@@ -336,6 +338,7 @@ class RayScheduler(Scheduler[RayOptions]):
 
     def _take(self) -> list[NodeEvent]:
         self._start_waiting()
+        self._ask_again()
         self._observe()
         events, self._events = self._events, []
         return events
@@ -372,6 +375,13 @@ class RayScheduler(Scheduler[RayOptions]):
                 try:
                     code = ray.get(node.done)
                 except Exception as exc:
+                    if isinstance(exc, ray.exceptions.ActorUnavailableError):
+                        # Unreachable, for now: its raylet may be gone, or a link down for a
+                        # moment. Ray says which once the GCS knows (ActorDiedError, its node
+                        # then no longer alive, so that a replacement cannot go there).
+                        node.done, node.ask_at = None, now + _PENDING_LOOK
+                        log.info("node unreachable", node=node.node_id, reason=_why(exc))
+                        continue
                     self._report(node, NodeState.LOST, _why(exc))
                     continue
                 event = _exit_event(node.node_id, code)
@@ -393,6 +403,13 @@ class RayScheduler(Scheduler[RayOptions]):
         self._events.append(NodeEvent(node_id=node.node_id, state=state, reason=reason))
         log.info("node ended", node=node.node_id, state=state.value, reason=reason)
 
+    def _ask_again(self) -> None:
+        now = time.monotonic()
+        for node in self._watched():
+            if node.ask_at is not None and now >= node.ask_at:
+                node.ask_at = None
+                node.done = node.actor.wait.remote()
+
     def _start_waiting(self) -> None:
         waiting = [n for n in self._nodes.values() if not n.released and not n.actor]
         if not waiting or self.interrupted:
@@ -403,7 +420,9 @@ class RayScheduler(Scheduler[RayOptions]):
 
     def _wait(self, remaining: float) -> None:
         ray = cluster.import_ray()
-        if any(not n.released and not n.actor for n in self._nodes.values()):
+        if any(not n.released and not n.actor for n in self._nodes.values()) or any(
+            n.ask_at is not None for n in self._watched()
+        ):
             remaining = min(remaining, _PENDING_LOOK)
         refs = self._refs()
         if refs:
