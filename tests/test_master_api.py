@@ -10,6 +10,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from planaria.master import job as job_module
 from planaria.master.job import Master
 from planaria.master.runner import join_hold, supervise
 from planaria.master.server import ServerLimits, make_app, serve
@@ -243,5 +244,38 @@ def test_a_crash_loop_counts_late_reports_and_not_rounds_that_stepped(tmp_path, 
         stopped = [e for e in master.timeline.events if e.kind.value == "job_stopped"]
         cause = "restart_budget_spent" if rank_0_stepped else "crash_loop"
         assert [e.data["cause"] for e in stopped] == [cause]
+
+    asyncio.run(with_master(tmp_path, body))
+
+
+@pytest.mark.parametrize("big", [True, False])
+def test_the_first_long_poll_of_a_round_is_held_for_part_of_the_interval_in_a_big_job(
+    tmp_path, monkeypatch, big
+):
+    """In a job of ``SPREAD_NODES`` nodes or more, a node's first heartbeat long poll of a
+    round comes back after a random part of the hold (here a quarter), its next ones after
+    all of it: the nodes' polls spread over the interval instead of coming as one wave. A
+    smaller job holds every poll the whole interval."""
+    monkeypatch.setattr(job_module, "SPREAD_NODES", 0 if big else 2)
+    monkeypatch.setattr(job_module.random, "random", lambda: 0.25)
+
+    async def body(master, session, url):
+        reg = {"node_id": "node-0", "host": "h", "addr": "127.0.0.1", "pid": 1}
+        async with session.post(url + "/register", json=reg, headers=AUTH) as r:
+            assert r.status == 200
+        took = []
+        for round_ in (1, 1, 2, 2):
+            beat = {"node_id": "node-0", "round": round_, "activity": "running", "wait": True}
+            started = time.monotonic()
+            async with session.post(url + "/heartbeat", json=beat, headers=AUTH) as r:
+                assert r.status == 200
+                assert (await r.json())["action"]["kind"] == "none"
+            took.append(time.monotonic() - started)
+        first, second, first_of_2, second_of_2 = took
+        assert second >= 0.18 and second_of_2 >= 0.18, took
+        if big:
+            assert first < 0.15 and first_of_2 < 0.15, took
+        else:
+            assert first >= 0.18 and first_of_2 >= 0.18, took
 
     asyncio.run(with_master(tmp_path, body))

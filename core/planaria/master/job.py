@@ -14,6 +14,7 @@ its rounds) and read best beside it; what could stand alone already does.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -69,6 +70,12 @@ one at the node's end): enough to plot a job's course, for one comparison a hear
 PROGRESS_NODES = 64
 """Beyond this many nodes the interval grows with their number: the whole job writes at most
 about ``PROGRESS_NODES / PROGRESS_EVERY`` of them a second."""
+SPREAD_NODES = 256
+"""From this many nodes in a round, each node's first heartbeat long poll of the round is held
+for a random part of the interval, not all of it. Every node sends that poll when the round
+starts: held alike, they would come back as one wave each interval, all of it queued in front
+of the master (at 10,000 nodes a wave is most of a second of its time), until the queue itself
+spread them. Below this, a wave is a few milliseconds."""
 
 
 class Master:
@@ -401,6 +408,10 @@ class Master:
             self._first_step(node, beat)
         if not beat.wait:  # a progress update: the node's long poll collects actions
             return Action(kind="none", round=self.rounds.round)
+        if node.polled_round != beat.round:
+            node.polled_round = beat.round
+            if len(self.rounds.world) >= SPREAD_NODES:
+                hold *= random.random()
         action = await self.fleet.next_action(node, hold, stopping=self.state.terminal)
         node.last_seen = time.monotonic()  # the agent held the long poll open until now
         if action is None and self.state.terminal:

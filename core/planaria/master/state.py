@@ -174,6 +174,8 @@ class Node:
     wake: Wake = field(default_factory=Wake)
     """Set to end the node's long poll early: an action for it, or news for the pre-flight."""
     step: int = -1
+    polled_round: int = -1
+    """The last round in which the node's heartbeat long-polled (see ``Master.heartbeat``)."""
     sampled: float = float("-inf")
     """When the master last put the node's step in the timeline (monotonic clock)."""
     memory: list[MemoryHolding] = field(default_factory=list)
