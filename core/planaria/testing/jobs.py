@@ -1,19 +1,23 @@
-"""Helpers for a scheduler plugin's end-to-end tests: run ``planaria`` as a user does, read
-the job's timeline and its final weights, wait for something to happen. The Slurm and Ray
+"""Helpers for a scheduler plugin's end-to-end tests: write a job file, run ``planaria`` as a
+user does (also with rank 0 paused mid-training, for a fault to land on), read the job's
+timeline and its final weights, wait for something to happen. The Slurm, Ray and Kubernetes
 plugins' job tests share them; a third-party scheduler's tests can too."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+import yaml
 
 T = TypeVar("T")
 
@@ -30,6 +34,66 @@ def run_planaria(
         text=True,
         timeout=timeout,
     )
+
+
+def write_job(
+    where: Path,
+    name: str,
+    command: Sequence[str],
+    scheduler: Mapping[str, Any] | None = None,
+    /,
+    **job: object,
+) -> Path:
+    """``where/job.yaml``: a job of 2 nodes of 1 worker running ``command``, 3 restarts, fast
+    joins and heartbeats, no health checks; ``job`` overrides the ``job`` section (its
+    ``command`` too) and ``scheduler`` is the ``scheduler`` section (none: the local one)."""
+    config: dict[str, object] = {
+        "job": {
+            "name": name,
+            "command": list(command),
+            "nodes": 2,
+            "procs_per_node": 1,
+            "max_restarts": 3,
+            **job,
+        },
+        "rendezvous": {"join_grace": "2s", "join_timeout": "90s"},
+        "master": {"heartbeat_interval": "1s", "heartbeat_timeout": "15s"},
+        "diagnosis": {"checks": [], "preflight": False},
+    }
+    if scheduler is not None:
+        config["scheduler"] = dict(scheduler)
+    path = where / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@contextlib.contextmanager
+def paused_run(where: Path, config: Path, at_step: int = 10) -> Iterator[subprocess.Popen[str]]:
+    """``planaria run`` of ``config`` in ``where``, rank 0 stopping itself (SIGSTOP, chaos
+    ``stop_worker``) at ``at_step`` of the first attempt, so that a fault from outside lands
+    mid-training; entered once it did. Its output is one pipe (stdout and stderr). At the end
+    a run still going is interrupted."""
+    chaos = ["--set", f'chaos=[{{"kind": "stop_worker", "rank": 0, "at_step": {at_step}}}]']
+    run = subprocess.Popen(
+        [sys.executable, "-m", "planaria", "run", str(config), *chaos],
+        cwd=where,
+        env={**os.environ, "COLUMNS": "200"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+
+        def paused() -> bool:
+            logs = where.glob("planaria-runs/*/logs/*.log")
+            return any("stop_worker" in p.read_text() for p in logs)
+
+        wait_for(f"rank 0 pausing at step {at_step}", paused)
+        yield run
+    finally:
+        if run.poll() is None:
+            run.send_signal(signal.SIGINT)
+            run.communicate(timeout=60)
 
 
 def job_events(where: Path) -> list[dict[str, Any]]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -18,9 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from planaria.testing.jobs import final_weights, job_events, run_planaria, wait_for
+from planaria.testing.jobs import (
+    final_weights,
+    job_events,
+    paused_run,
+    run_planaria,
+    wait_for,
+    write_job,
+)
 from planaria_kubernetes import pods
 from planaria_kubernetes.testing import EmulatedCluster
 
@@ -39,24 +44,7 @@ def cluster() -> Iterator[EmulatedCluster]:
 
 
 def job(where: Path, scheduler: dict[str, Any] | None = None, **job: object) -> Path:
-    config: dict[str, object] = {
-        "job": {
-            "name": "k8s-e2e",
-            "command": [sys.executable, str(EXAMPLE), *STEPS],
-            "nodes": 2,
-            "procs_per_node": 1,
-            "max_restarts": 3,
-            **job,
-        },
-        "rendezvous": {"join_grace": "2s", "join_timeout": "90s"},
-        "master": {"heartbeat_interval": "1s", "heartbeat_timeout": "15s"},
-        "diagnosis": {"checks": [], "preflight": False},
-    }
-    if scheduler is not None:
-        config["scheduler"] = scheduler
-    path = where / "job.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return write_job(where, "k8s-e2e", [sys.executable, str(EXAMPLE), *STEPS], scheduler, **job)
 
 
 def on_kubernetes(cluster: EmulatedCluster, where: Path, **options: object) -> dict[str, Any]:
@@ -88,33 +76,6 @@ def clean_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     done = run_planaria(where, "run", str(job(where)))
     assert done.returncode == 0, done.stdout + done.stderr
     return final_weights(where)
-
-
-@contextlib.contextmanager
-def paused_run(where: Path, config: Path) -> Iterator[subprocess.Popen[str]]:
-    """``planaria run`` of ``config``, rank 0 stopping itself at step 10 (so that a loss lands
-    mid-training), entered once it did; interrupted at the end if it still runs."""
-    chaos = ["--set", 'chaos=[{"kind": "stop_worker", "rank": 0, "at_step": 10}]']
-    run = subprocess.Popen(
-        [sys.executable, "-m", "planaria", "run", str(config), *chaos],
-        cwd=where,
-        env={**os.environ, "COLUMNS": "200"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-
-        def paused() -> bool:
-            logs = where.glob("planaria-runs/*/logs/*.log")
-            return any("stop_worker" in p.read_text() for p in logs)
-
-        wait_for("rank 0 pausing at step 10", paused)
-        yield run
-    finally:
-        if run.poll() is None:
-            run.send_signal(signal.SIGINT)
-            run.communicate(timeout=60)
 
 
 def test_a_pod_whose_agent_is_killed_is_replaced_on_the_free_node(

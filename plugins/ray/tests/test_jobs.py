@@ -6,8 +6,6 @@ without a fault. A killed worker restarts in place and restores from memory."""
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from planaria.testing.jobs import final_weights, job_events, run_planaria, wait_for
+from planaria.testing import jobs
+from planaria.testing.jobs import final_weights, job_events, run_planaria, wait_for, write_job
 from planaria_ray.testing import AGENT, LocalCluster
 
 torch = pytest.importorskip("torch")
@@ -30,24 +28,7 @@ STEPS = ["--steps", "24", "--ckpt-every", "4", "--out", "final.pt"]
 
 
 def job(where: Path, scheduler: dict[str, Any] | None = None, **job: object) -> Path:
-    config: dict[str, object] = {
-        "job": {
-            "name": "ray-e2e",
-            "command": [sys.executable, str(EXAMPLE), *STEPS],
-            "nodes": 2,
-            "procs_per_node": 1,
-            "max_restarts": 3,
-            **job,
-        },
-        "rendezvous": {"join_grace": "2s", "join_timeout": "90s"},
-        "master": {"heartbeat_interval": "1s", "heartbeat_timeout": "15s"},
-        "diagnosis": {"checks": [], "preflight": False},
-    }
-    if scheduler is not None:
-        config["scheduler"] = scheduler
-    path = where / "job.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return write_job(where, "ray-e2e", [sys.executable, str(EXAMPLE), *STEPS], scheduler, **job)
 
 
 def on_ray(address: str, **options: object) -> dict[str, Any]:
@@ -58,32 +39,14 @@ def on_ray(address: str, **options: object) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def paused_run(where: Path, config: Path, cluster: LocalCluster) -> Iterator[subprocess.Popen]:
-    """``planaria run`` of ``config`` in ``where``, rank 0 stopping itself at step 10 (so that
-    a loss lands mid-training), entered once it did. At the end a run still going is
-    interrupted, and the cluster gets a new Ray node for the one the block took."""
-    chaos = ["--set", 'chaos=[{"kind": "stop_worker", "rank": 0, "at_step": 10}]']
-    run = subprocess.Popen(
-        [sys.executable, "-m", "planaria", "run", str(config), *chaos],
-        cwd=where,
-        env={**os.environ, "COLUMNS": "200"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+def paused_run(where: Path, config: Path, cluster: LocalCluster) -> Iterator[subprocess.Popen[str]]:
+    """:func:`planaria.testing.jobs.paused_run`; at the end the cluster gets a new Ray node for
+    the one the block took, and keeps its size for the tests after this one."""
     try:
-
-        def paused() -> bool:
-            logs = where.glob("planaria-runs/*/logs/*.log")
-            return any("stop_worker" in p.read_text() for p in logs)
-
-        wait_for("rank 0 pausing at step 10", paused)
-        yield run
+        with jobs.paused_run(where, config) as run:
+            yield run
     finally:
-        if run.poll() is None:
-            run.send_signal(signal.SIGINT)
-            run.communicate(timeout=60)
-        cluster.add_node()  # the cluster keeps its size for the tests after this one
+        cluster.add_node()
 
 
 def finished(run: subprocess.Popen) -> str:

@@ -11,10 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from conftest import slurm
 
-from planaria.testing.jobs import final_weights, job_events, run_planaria, wait_for
+from planaria.testing.jobs import final_weights, job_events, run_planaria, wait_for, write_job
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
@@ -25,24 +24,7 @@ STEPS = ["--steps", "24", "--ckpt-every", "4", "--out", "final.pt"]
 
 
 def job(where: Path, scheduler: dict[str, object] | None = None, **job: object) -> Path:
-    config: dict[str, object] = {
-        "job": {
-            "name": "slurm-e2e",
-            "command": [sys.executable, str(EXAMPLE), *STEPS],
-            "nodes": 2,
-            "procs_per_node": 1,
-            "max_restarts": 3,
-            **job,
-        },
-        "rendezvous": {"join_grace": "2s", "join_timeout": "90s"},
-        "master": {"heartbeat_interval": "1s", "heartbeat_timeout": "15s"},
-        "diagnosis": {"checks": [], "preflight": False},
-    }
-    if scheduler is not None:
-        config["scheduler"] = scheduler
-    path = where / "job.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return write_job(where, "slurm-e2e", [sys.executable, str(EXAMPLE), *STEPS], scheduler, **job)
 
 
 def job_state(job_id: str) -> str:
