@@ -76,6 +76,8 @@ class _Node:
     since: float = field(default_factory=time.monotonic)
     ask_at: float | None = None
     """When to ask ``wait()`` again, after Ray found the actor unreachable."""
+    unreachable: bool = False
+    """Ray found the actor unreachable (said once in the log, however long it lasts)."""
     reported: bool = False
     released: bool = False
 
@@ -380,7 +382,9 @@ class RayScheduler(Scheduler[RayOptions]):
                         # moment. Ray says which once the GCS knows (ActorDiedError, its node
                         # then no longer alive, so that a replacement cannot go there).
                         node.done, node.ask_at = None, now + _PENDING_LOOK
-                        log.info("node unreachable", node=node.node_id, reason=_why(exc))
+                        if not node.unreachable:
+                            node.unreachable = True
+                            log.info("node unreachable", node=node.node_id, reason=_why(exc))
                         continue
                     self._report(node, NodeState.LOST, _why(exc))
                     continue
