@@ -39,6 +39,7 @@ def test_the_control_plane_benchmark_goes_through_every_phase(tmp_path):
         "round_s",
         "restart_round_s",
         "heartbeat_p99_ms",
+        "after_round_p99_ms",
         "master_cpu_per_s",
         "master_rss_mib",
     }

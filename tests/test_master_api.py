@@ -249,6 +249,44 @@ def test_a_crash_loop_counts_late_reports_and_not_rounds_that_stepped(tmp_path, 
 
 
 @pytest.mark.parametrize("big", [True, False])
+def test_a_big_jobs_first_progress_samples_of_a_round_are_spread(tmp_path, monkeypatch, big):
+    """Beyond ``PROGRESS_NODES`` nodes a node's first progress event of a round comes at a
+    random time within the (longer) interval, not at its first step: every node starting a
+    round would write one at once. A small job writes one at each node's first step."""
+    monkeypatch.setattr(job_module, "PROGRESS_NODES", 1 if big else 64)
+    monkeypatch.setattr(job_module.random, "random", lambda: 0.25)
+
+    async def body(master, session, url):
+        for i in range(2):
+            reg = {"node_id": f"node-{i}", "host": f"h{i}", "addr": "127.0.0.1", "pid": 1}
+            async with session.post(url + "/register", json=reg, headers=AUTH) as r:
+                assert r.status == 200
+
+        async def join(i: int) -> dict:
+            req = {"node_id": f"node-{i}", "addr": "127.0.0.1", "port": 40000 + i}
+            async with session.post(url + "/rendezvous/join", json=req, headers=AUTH) as r:
+                return await r.json()
+
+        assert [r["state"] for r in await asyncio.gather(join(0), join(1))] == ["ready"] * 2
+        for node in master.nodes.values():
+            behind = time.monotonic() - node.sampled
+            if big:  # a quarter of 5 s x 2 nodes / 1 into the interval
+                assert 2.5 <= behind < 3.0, behind
+            else:
+                assert behind == float("inf")
+        for i in range(2):
+            progress = [{"local_rank": 0, "step": 3, "time": time.time(), "first_step": 1}]
+            beat = {"node_id": f"node-{i}", "round": 1, "activity": "running", "wait": False,
+                    "progress": progress}  # fmt: skip
+            async with session.post(url + "/heartbeat", json=beat, headers=AUTH) as r:
+                assert r.status == 200
+        sampled = [e.node for e in master.timeline.events if e.kind.value == "progress"]
+        assert sampled == ([] if big else ["node-0", "node-1"])
+
+    asyncio.run(with_master(tmp_path, body))
+
+
+@pytest.mark.parametrize("big", [True, False])
 def test_the_first_long_poll_of_a_round_is_held_for_part_of_the_interval_in_a_big_job(
     tmp_path, monkeypatch, big
 ):

@@ -429,22 +429,25 @@ def test_a_journal_that_fails_gets_no_heartbeat_an_ok(tmp_path):
     written, the lean path answers 500 and closes the connection, as aiohttp does."""
 
     async def body(master, book, port):
-        async def broken() -> None:
-            raise OSError("disk full")
+        def broken() -> asyncio.Future[None]:
+            failed = asyncio.get_running_loop().create_future()
+            failed.set_exception(OSError("disk full"))
+            return failed
 
         answers = []
         for lean in (True, False):
             conn = await Connection.open(port)
             assert (await conn.exchange(WARM)).startswith(b"HTTP/1.1 200")
-            saved, written = book.hot, master.journal_written
-            master.journal_written = broken
+            saved = book.hot
+            master.journal_write = broken
             if not lean:
                 book.hot = None
             try:
                 answers.append(await conn.exchange(request("/heartbeat", beat())))
                 assert await conn.closed()
             finally:
-                book.hot, master.journal_written = saved, written
+                book.hot = saved
+                del master.journal_write
                 conn.close()
         assert book.hot.taken == 1
         for answer in answers:

@@ -218,11 +218,16 @@ class Fleet:
 
     # -- heartbeats ---------------------------------------------------------------------------
 
-    async def next_action(self, node: Node, hold: float, *, stopping: bool) -> Action | None:
-        """Hold a node's long poll until there is an action for it, at most ``hold`` seconds."""
-        if node.action is None and not stopping:
-            node.wake.clear()
-            await node.wake.wait(hold)
+    def hold(self, node: Node, hold: float, *, stopping: bool) -> asyncio.Future[None] | None:
+        """What a node's long poll waits for: an action for it, at most ``hold`` seconds; None
+        when there is one already (or the job is stopping). :meth:`next_action` takes it."""
+        if node.action is not None or stopping:
+            return None
+        node.wake.clear()
+        return node.wake.waiter(hold)
+
+    def next_action(self, node: Node) -> Action | None:
+        """The action due to ``node``, taken: None when there is none."""
         action, node.action = node.action, None
         return action
 

@@ -36,6 +36,7 @@ from planaria.master.rounds import Rounds
 from planaria.master.state import (
     BadReport,
     Fenced,
+    Held,
     JobSettings,
     JobState,
     Node,
@@ -69,7 +70,9 @@ PROGRESS_EVERY = 5.0
 one at the node's end): enough to plot a job's course, for one comparison a heartbeat."""
 PROGRESS_NODES = 64
 """Beyond this many nodes the interval grows with their number: the whole job writes at most
-about ``PROGRESS_NODES / PROGRESS_EVERY`` of them a second."""
+about ``PROGRESS_NODES / PROGRESS_EVERY`` of them a second; and a node's first of a round comes
+at a random time within the interval, not at its first step (10,000 nodes starting a round would
+write 10,000 at once)."""
 SPREAD_NODES = 256
 """From this many nodes in a round, each node's first heartbeat long poll of the round is held
 for a random part of the interval, not all of it. Every node sends that poll when the round
@@ -159,14 +162,21 @@ class Master:
         """Return once what changed so far is in the journal. The requests answered in one
         turn of the loop share one write, so thousands of nodes joining at once cost a few
         transactions (and fsyncs), not one each."""
+        written = self.journal_write()
+        if written is not None:
+            # Shielded: a request given up (its client gone) must not cancel the others' write.
+            await asyncio.shield(written)
+
+    def journal_write(self) -> asyncio.Future[None] | None:
+        """The journal's next write, done once what changed so far is in the journal (see
+        :meth:`journal_written`); None without a journal. Not to be cancelled: it is shared."""
         if self.journal is None:
-            return
+            return None
         if self._journal_write is None:
             loop = asyncio.get_running_loop()
             self._journal_write = loop.create_future()
             loop.call_soon(self._write_journal_now)
-        # Shielded: a request given up (its client gone) must not cancel the others' write.
-        await asyncio.shield(self._journal_write)
+        return self._journal_write
 
     def _write_journal_now(self) -> None:
         done, self._journal_write = self._journal_write, None
@@ -389,7 +399,10 @@ class Master:
         node = self.nodes[node_id]
         node.phase = NodePhase.RUNNING
         node.step = -1
-        node.sampled = float("-inf")  # its first step in the round is worth a sample
+        if len(self.nodes) <= PROGRESS_NODES:
+            node.sampled = float("-inf")  # its first step in the round is worth a sample
+        else:  # its first sample at a random time within the interval, not all at once
+            node.sampled = time.monotonic() - random.random() * self._progress_every()
         return JoinReply(
             state="ready",
             info=self.rounds.world[node_id],
@@ -398,7 +411,9 @@ class Master:
             ),
         )
 
-    async def heartbeat(self, beat: Heartbeat, hold: float) -> Action:
+    def heartbeat(self, beat: Heartbeat, hold: float) -> Action | Held[Action]:
+        """Take a node's heartbeat: its answer, or (a long poll) the answer held until an
+        action is due to the node, at most ``hold`` seconds."""
         node = self.heard_from(beat.node_id)
         if beat.progress:
             node.step = max(p.step for p in beat.progress)
@@ -412,7 +427,13 @@ class Master:
             node.polled_round = beat.round
             if len(self.rounds.world) >= SPREAD_NODES:
                 hold *= random.random()
-        action = await self.fleet.next_action(node, hold, stopping=self.state.terminal)
+        waiting = self.fleet.hold(node, hold, stopping=self.state.terminal)
+        if waiting is None:
+            return self._next_action(node)
+        return Held(waiting, lambda: self._next_action(node))
+
+    def _next_action(self, node: Node) -> Action:
+        action = self.fleet.next_action(node)
         node.last_seen = time.monotonic()  # the agent held the long poll open until now
         if action is None and self.state.terminal:
             action = Action(kind="exit", reason=self.reason)
@@ -421,7 +442,7 @@ class Master:
     def _sample(self, node: Node, round_: int, *, last: bool = False) -> None:
         """A ``progress`` event of ``node``'s step, if its last is old enough (or ``last``)."""
         now = time.monotonic()
-        every = PROGRESS_EVERY * max(1.0, len(self.nodes) / PROGRESS_NODES)
+        every = self._progress_every()
         if (now - node.sampled < every and not last) or self.state.terminal or node.step < 0:
             return
         node.sampled = now
@@ -429,6 +450,9 @@ class Master:
         self.timeline.emit(
             events.Progress(round=round_), message, node=node.node_id, step=node.step
         )
+
+    def _progress_every(self) -> float:
+        return PROGRESS_EVERY * max(1.0, len(self.nodes) / PROGRESS_NODES)
 
     def _first_step(self, node: Node, beat: Heartbeat) -> None:
         info = self.rounds.world.get(node.node_id)

@@ -22,9 +22,11 @@ from planaria.diagnosis.messages import (
 )
 from planaria.master.job import Master
 from planaria.master.metrics import MEDIA_TYPE, Exposition, JobMetrics
+from planaria.master.state import Held
 from planaria.protocol import (
     API_PREFIX,
     Ack,
+    Action,
     ChaosReport,
     CheckpointEvent,
     Heartbeat,
@@ -55,7 +57,7 @@ class Context:
 
 JSON = "application/json"
 
-Call = Callable[[Context, Any], "BaseModel | Awaitable[BaseModel]"]
+Call = Callable[[Context, Any], "BaseModel | Held[BaseModel] | Awaitable[BaseModel]"]
 
 
 @dataclass(frozen=True)
@@ -67,8 +69,9 @@ class Route:
     reply: type[BaseModel]
     summary: str
     call: Call
-    """``call(context, body)``: the reply (or an awaitable of it); ``body`` is the validated
-    request model, ``None`` for a route without one."""
+    """``call(context, body)``: the reply, or an awaitable of it, or the reply :class:`Held`
+    back (a long poll); ``body`` is the validated request model, ``None`` for a route without
+    one."""
     errors: tuple[int, ...] = ()
     """Error statuses the call itself may answer, beyond those every route shares (401 without
     the token; 400, 408 and 413 for a body)."""
@@ -88,6 +91,17 @@ class Route:
     def operation_id(self) -> str:
         name = self.path.removeprefix(API_PREFIX).strip("/").replace("/", "_").replace("-", "_")
         return f"{self.method.lower()}_{name}"
+
+
+def _heartbeat(c: Context, beat: Heartbeat) -> HeartbeatReply | Held[HeartbeatReply]:
+    action = c.master.heartbeat(beat, c.hold if beat.wait else 0.0)
+    if isinstance(action, Held):
+        return action.map(_beat_reply)
+    return _beat_reply(action)
+
+
+def _beat_reply(action: Action) -> HeartbeatReply:
+    return HeartbeatReply(action=action)
 
 
 def acked(report: Callable[[Context, Any], None]) -> Call:
@@ -145,7 +159,7 @@ ROUTES: tuple[Route, ...] = (
         Heartbeat,
         HeartbeatReply,
         "A node's progress; with wait, held until an action is due (a long poll)",
-        lambda c, beat: _heartbeat(c, beat),
+        _heartbeat,
         errors=NODE,
         hot=True,
     ),
@@ -241,8 +255,3 @@ ROUTES: tuple[Route, ...] = (
         public=True,
     ),
 )
-
-
-async def _heartbeat(c: Context, beat: Heartbeat) -> HeartbeatReply:
-    action = await c.master.heartbeat(beat, c.hold if beat.wait else 0.0)
-    return HeartbeatReply(action=action)

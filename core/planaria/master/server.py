@@ -35,6 +35,7 @@ from planaria.master.state import (
     BadReport,
     Conflict,
     Fenced,
+    Held,
     NotAttached,
     RegistrationRefused,
     UnknownNode,
@@ -105,8 +106,8 @@ class _Guard(asyncio.Protocol):
         """When the request now arriving must be in (monotonic clock); None: no request is."""
         self.framer = wire.Framer()
         """Where aiohttp's parser stands in what it was given of this connection."""
-        self.serving: asyncio.Task[None] | None = None
-        """The hot request being served; what comes meanwhile waits in :attr:`held`."""
+        self.serving = False
+        """A hot request is being served; what comes meanwhile waits in :attr:`held`."""
         self.held = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -150,7 +151,7 @@ class _Guard(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.transport is None:
             return
-        if self.serving is not None:  # pipelined behind a hot request: in order, after it
+        if self.serving:  # pipelined behind a hot request: in order, after it
             if not self.held:
                 self.transport.pause_reading()
             self.held += data
@@ -166,7 +167,7 @@ class _Guard(asyncio.Protocol):
     def served(self, answer: bytes | None, *, close: bool = False) -> None:
         """The hot request is answered (``answer``: the whole response; None: it was cut
         short, and so is the connection); what came meanwhile is read now."""
-        self.serving = None
+        self.serving = False
         inner = self.inner
         # What aiohttp does at the end of each request it serves: a shutdown waiting for it
         # goes on, and the connection's idle time starts again.
@@ -280,40 +281,86 @@ class _Hot:
         guard.handler_entered()
         inner._request_in_progress = True
         inner._next_keepalive_close_time = inner._loop.time() + inner._keepalive_timeout
-        guard.serving = inner._loop.create_task(self._serve(guard, route, body))
+        guard.serving = True
+        self._serve(guard, route, body)
         return True
 
-    async def _serve(self, guard: _Guard, route: Route, body: BaseModel) -> None:
-        answer: bytes | None = None
-        close = False
+    # Served by callbacks, not a task: a long poll is a future's done callback, its answer
+    # another's on the journal's next write; no coroutine is made or resumed on the way.
+
+    def _serve(self, guard: _Guard, route: Route, body: BaseModel) -> None:
         try:
-            try:
-                reply = route.call(self.context, body)
-                if inspect.isawaitable(reply):
-                    reply = await reply
-                if not isinstance(reply, route.reply):
-                    raise TypeError(
-                        f"{route.method} {route.path} answered {type(reply).__name__}, "
-                        f"not its {route.reply.__name__}"
-                    )
-                answer = wire.reply(200, reply.model_dump_json().encode())
-            except Exception as exc:
-                answer = _wire_response(_refusal(exc, route.method, route.path))
-            finally:
-                guard.handler_left()
-                # On disk before it is answered, as every request (``timed``).
-                await self.context.master.journal_written()
+            reply = route.call(self.context, body)
+            if inspect.isawaitable(reply) and not isinstance(reply, Held):
+                task = asyncio.ensure_future(reply)
+                reply = Held(task, task.result)
+        except Exception as exc:
+            self._answer(guard, route, exc)
+            return
+        if isinstance(reply, Held):
+            held = reply
+            held.waiting.add_done_callback(lambda _: self._answer(guard, route, held))
+        else:
+            self._answer(guard, route, reply)
+
+    def _answer(
+        self, guard: _Guard, route: Route, reply: BaseModel | Held[BaseModel] | Exception
+    ) -> None:
+        try:
+            if isinstance(reply, Exception):
+                raise reply
+            if isinstance(reply, Held):
+                reply = reply.then()
+            if not isinstance(reply, route.reply):
+                raise TypeError(
+                    f"{route.method} {route.path} answered {type(reply).__name__}, "
+                    f"not its {route.reply.__name__}"
+                )
+            answer = wire.reply(200, reply.model_dump_json().encode())
         except asyncio.CancelledError:
-            answer = None  # perhaps not on disk: no answer, the connection is closed
-            raise
-        except Exception:
-            # The journal failed: answered as aiohttp answers a request whose serving
-            # raised, and the connection closed.
-            log.exception("API request failed", method=route.method, path=route.path)
-            answer = _failed()
-            close = True
-        finally:
-            guard.served(answer, close=close)
+            guard.handler_left()
+            guard.served(None)  # given up: no answer, the connection is closed
+            return
+        except Exception as exc:
+            answer = _wire_response(_refusal(exc, route.method, route.path))
+        guard.handler_left()
+        # On disk before it is answered, as every request (``timed``).
+        try:
+            written = self.context.master.journal_write()
+        except Exception as exc:
+            self._written(guard, route, answer, exc)
+            return
+        if written is None:
+            guard.served(answer)
+        else:
+            written.add_done_callback(lambda w: self._written(guard, route, answer, w))
+
+    def _written(
+        self,
+        guard: _Guard,
+        route: Route,
+        answer: bytes,
+        written: asyncio.Future[None] | Exception,
+    ) -> None:
+        if isinstance(written, asyncio.Future):
+            if written.cancelled():
+                guard.served(None)
+                return
+            failed = written.exception()
+        else:
+            failed = written
+        if failed is None:
+            guard.served(answer)
+            return
+        # The journal failed: answered as aiohttp answers a request whose serving raised,
+        # and the connection closed.
+        log.error(
+            "API request failed",
+            method=route.method,
+            path=route.path,
+            exc_info=failed,
+        )
+        guard.served(_failed(), close=True)
 
 
 def _failed() -> bytes:
@@ -484,7 +531,10 @@ def _handler(route: Route, context: Context) -> Handler:
     async def handle(request: web.Request) -> web.StreamResponse:
         body = None if route.request is None else await _body(request, route.request)
         reply = route.call(context, body)
-        if inspect.isawaitable(reply):
+        if isinstance(reply, Held):
+            await reply.waiting
+            reply = reply.then()
+        elif inspect.isawaitable(reply):
             reply = await reply
         if not isinstance(reply, route.reply):
             raise TypeError(

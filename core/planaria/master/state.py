@@ -13,11 +13,14 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from planaria.diagnosis.policy import DiagnosisPolicy
 from planaria.master.policy import Rules
 from planaria.protocol import Action, JobSpec, MemoryHolding
+
+T = TypeVar("T", covariant=True)
+U = TypeVar("U")
 
 
 class BadReport(ValueError):
@@ -78,20 +81,42 @@ class Wake:
     def clear(self) -> None:
         self._set = False
 
-    async def wait(self, timeout: float) -> bool:
-        """Wait until set, at most ``timeout`` seconds; whether it is set."""
+    def waiter(self, timeout: float) -> asyncio.Future[None] | None:
+        """A future done once set, or after at most ``timeout`` seconds; None when it is set
+        already or ``timeout`` is up. Cancelling it only stops the wait."""
         if self._set or timeout <= 0:
-            return self._set
+            return None
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
+        if self._waiters:  # those of earlier waits that timed out or were given up
+            self._waiters = [w for w in self._waiters if not w.done()]
         self._waiters.append(waiter)
         _deadlines(loop).add(loop, loop.time() + timeout, waiter)
-        try:
+        return waiter
+
+    async def wait(self, timeout: float) -> bool:
+        """Wait until set, at most ``timeout`` seconds; whether it is set."""
+        waiter = self.waiter(timeout)
+        if waiter is not None:
             await waiter
-        finally:
-            if waiter in self._waiters:
-                self._waiters.remove(waiter)
         return self._set
+
+
+@dataclass(frozen=True, slots=True)
+class Held(Generic[T]):
+    """An answer held back (a long poll): ``then()`` gives it once ``waiting`` is done.
+
+    A route's call answers this where it would otherwise be a coroutine that awaits a
+    future and then computes its answer: the server serves it with no task and no coroutine
+    of its own, which at 10,000 long polls a second is a good part of the master's time."""
+
+    waiting: asyncio.Future[Any]
+    then: Callable[[], T]
+
+    def map(self, f: Callable[[T], U]) -> Held[U]:
+        """The same wait, its answer passed through ``f``."""
+        then = self.then
+        return Held(self.waiting, lambda: f(then()))
 
 
 class _Deadlines:
