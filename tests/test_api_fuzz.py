@@ -10,6 +10,7 @@ derandomized generation, the same cases on every run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -31,6 +32,7 @@ from planaria.master.job import Master
 from planaria.master.routes import ROUTES
 from planaria.master.runner import supervise
 from planaria.master.server import ServerLimits, make_app, serve
+from planaria.process import processes
 from planaria.protocol import API_PREFIX
 from planaria.scheduler.api import LaunchSpec
 from planaria.scheduler.local import LocalOptions, LocalScheduler
@@ -145,14 +147,10 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveMaster]:
 def _running(mark: str) -> list[int]:
     """Processes (not zombies) whose command line holds ``mark``."""
     found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if mark.encode() in (entry / "cmdline").read_bytes():
-                state = (entry / "stat").read_text().rsplit(") ", 1)[1][:1]
-                if state != "Z":
-                    found.append(int(entry.name))
-        except (OSError, ValueError, IndexError):
-            continue
+    for pid, _ in processes():
+        with contextlib.suppress(OSError):
+            if mark.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
     return found
 
 

@@ -23,7 +23,7 @@ import pytest
 import yaml
 from conftest import PLUGIN_FIXTURES, planaria_executable
 from test_config import problems
-from test_local_scheduler import Harness, alive, harness, our_children, wait_for  # noqa: F401
+from test_local_scheduler import Harness, harness, our_children, wait_for  # noqa: F401
 from test_run import MARK, events, mark, marked_processes  # noqa: F401
 
 from planaria.capacity import WORKERS_PER_CPU, usable_cpus

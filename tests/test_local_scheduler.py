@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from planaria.errors import SchedulerError
 from planaria.plugin.manager import PluginManager
 from planaria.plugin.records import PluginKind
+from planaria.process import processes, running
 from planaria.scheduler.api import LaunchSpec, NodeEvent, NodeState
 from planaria.scheduler.local import LocalOptions, LocalScheduler
 
@@ -42,27 +43,8 @@ node = os.environ["PLANARIA_NODE_ID"]
 SLEEP = "time.sleep(60)"
 
 
-def alive(pid: int) -> bool:
-    """Running or stopped; an exited (zombie) or vanished process is gone."""
-    try:
-        stat_line = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat_line.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-
-
 def our_children() -> list[int]:
-    children = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == os.getpid() and fields[0] not in ("Z", "X"):
-            children.append(int(entry))
-    return children
+    return [pid for pid, stat in processes() if stat.ppid == os.getpid()]
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
@@ -106,7 +88,7 @@ def harness(tmp_path: Path) -> Iterator[Harness]:
         scheduler.stop()
     assert our_children() == [], "a node process outlived stop()"
     # Orphaned helpers are reaped by whoever adopted them: give that a moment.
-    wait_for(lambda: not any(alive(pid) for pid in h.all_pids()), timeout=2.0)
+    wait_for(lambda: not any(running(pid) for pid in h.all_pids()), timeout=2.0)
 
 
 def collect(
@@ -247,7 +229,7 @@ def test_what_an_agent_leaves_in_its_group_dies_with_it(harness: Harness) -> Non
     events = collect(scheduler, lambda e: any(x.state in TERMINAL for x in e))
     assert events[-1].state is NodeState.SUCCEEDED
     helper = harness.pid("node-0", "helper")
-    wait_for(lambda: not alive(helper), timeout=1.0)
+    wait_for(lambda: not running(helper), timeout=1.0)
 
 
 def test_log_files_get_output_appended_with_mode_0600(harness: Harness) -> None:
@@ -288,7 +270,7 @@ def test_replace_with_exclude_host_moves_to_a_new_host(harness: Harness) -> None
     assert (new.node_id, new.state) == ("node-2", NodeState.PENDING)
     assert new.host not in ("local-0", "local-1")
     assert scheduler.excluded_hosts() == {"local-0"}
-    assert not alive(old)
+    assert not running(old)
     # The replaced node is released: its end is not reported, the new one's start is.
     assert scheduler.poll(0.1) == [NodeEvent(node_id="node-2", state=NodeState.RUNNING)]
 
@@ -323,7 +305,7 @@ def test_replace_refused_when_every_host_is_excluded(harness: Harness) -> None:
     with pytest.raises(SchedulerError, match=r"all 1 local host\(s\) are excluded \(local-0\)"):
         scheduler.replace("node-0", exclude_host=True)
     # Nothing changed: the node still runs, no host is excluded.
-    assert alive(harness.pid("node-0"))
+    assert running(harness.pid("node-0"))
     assert scheduler.excluded_hosts() == set()
     assert scheduler.poll(0.0) == []
     # A replacement that may land on the same host is fine.
@@ -366,7 +348,7 @@ def test_stop_kills_what_ignores_sigterm_after_the_grace(harness: Harness) -> No
     scheduler.stop()
     elapsed = time.monotonic() - started
     assert grace <= elapsed < 2 * grace  # one grace for all the nodes, not one each
-    assert not any(alive(pid) for pid in pids + helpers)
+    assert not any(running(pid) for pid in pids + helpers)
     assert scheduler.poll(0.0) == []  # stopped nodes are not reported
 
     started = time.monotonic()
@@ -385,7 +367,7 @@ def test_stop_some_nodes_and_do_not_wait_for_the_grace_needlessly(harness: Harne
     started = time.monotonic()
     scheduler.stop(["node-1"])
     assert time.monotonic() - started < 10 / 2  # it obeyed SIGTERM: no wait for the grace
-    assert [alive(pid) for pid in pids] == [True, False, True]
+    assert [running(pid) for pid in pids] == [True, False, True]
     os.kill(pids[0], signal.SIGTERM)
     assert scheduler.poll(2.0) == [
         NodeEvent(node_id="node-0", state=NodeState.LOST, reason="killed by SIGTERM")
@@ -418,10 +400,10 @@ def test_nodes_die_with_the_process_that_started_them(harness: Harness) -> None:
         while parent.stdout.readline() not in (b"launched\n", b""):
             pass
         node = harness.pid("node-0")
-        assert alive(node)
+        assert running(node)
         parent.kill()
         parent.wait()
-        wait_for(lambda: not alive(node), timeout=2.0)
+        wait_for(lambda: not running(node), timeout=2.0)
     finally:
         parent.kill()
         parent.wait()
@@ -446,7 +428,7 @@ def test_processes_are_started_from_one_thread_only(harness: Harness) -> None:
     assert len(errors) == 1
     assert "one long-lived thread" in str(errors[0])
     assert "'short-lived'" in str(errors[0])
-    assert alive(harness.pid("node-0"))
+    assert running(harness.pid("node-0"))
 
 
 # -- errors, options, registration --------------------------------------------------------

@@ -8,7 +8,6 @@ Real processes throughout: ``planaria run`` is SIGKILLed from outside mid-traini
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sqlite3
 import subprocess
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import pytest
 from test_run import EXAMPLE, job, mark, run, start  # noqa: F401  (mark is a fixture)
+
+from planaria.process import running
 
 torch = pytest.importorskip("torch")
 
@@ -94,17 +95,6 @@ def _agent_pids(run_dir: Path) -> list[int]:
     return [json.loads(v)["pid"] for (v,) in rows if json.loads(v)["pid"]]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return (
-        Path(f"/proc/{pid}").exists()
-        and "Z" not in (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0])
-    )
-
-
 def test_a_master_killed_mid_training_and_resumed_loses_no_step(tmp_path, mark):
     clean = tmp_path / "clean"
     clean.mkdir()
@@ -124,7 +114,7 @@ def test_a_master_killed_mid_training_and_resumed_loses_no_step(tmp_path, mark):
         killed_at = _step(run_dir)
         # The workers go on training without any master.
         _wait_step(run_dir, killed_at + 3, timeout=30)
-        assert all(_alive(pid) for pid in agents)
+        assert all(running(pid) for pid in agents)
         resumed = run(faulty, mark, "--resume", str(run_dir))
     finally:
         if proc.poll() is None:
@@ -157,7 +147,7 @@ def test_agents_stop_their_workers_once_the_master_is_gone_for_the_grace(tmp_pat
         proc.wait(timeout=10)
         killed = time.monotonic()
         deadline = killed + 30
-        while any(_alive(pid) for pid in agents):
+        while any(running(pid) for pid in agents):
             assert time.monotonic() < deadline, "agents outlived the grace by far"
             time.sleep(0.1)
         gone_after = time.monotonic() - killed

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from planaria.agent.address import gloo_interface, interface_of, node_address
 from planaria.errors import SchedulerError
+from planaria.process import proc_stat
 from planaria.scheduler.api import LaunchSpec, NodeState
 from planaria.scheduler.local import LocalOptions, LocalScheduler
 from planaria.testing import SchedulerConformance
@@ -296,9 +297,8 @@ def test_nodes_run_in_their_namespaces_with_their_own_pid(
             # ip netns exec execs the command: the node's process is the one started, a
             # direct child of the scheduler, its own process group's leader.
             assert os.getpgid(pid) == pid
-            assert Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(
-                os.getpid()
-            )
+            stat = proc_stat(pid)
+            assert stat is not None and stat.ppid == os.getpid()
         # A replacement takes the next number, and so the next namespace.
         new = scheduler.replace("node-1", exclude_host=False)
         assert new.node_id == "node-3"

@@ -30,6 +30,7 @@ import pytest
 import yaml
 from test_run import EXAMPLE, MARK, marked_processes
 
+from planaria.process import proc_stat
 from planaria.testing.netns import Network, unavailable
 
 torch = pytest.importorskip("torch")
@@ -308,16 +309,7 @@ def test_a_cut_longer_than_the_timeout_replaces_the_node_which_stops_once_healed
 
 def stopped(pids: list[int]) -> list[int]:
     """The processes among ``pids`` stopped by a signal (state T)."""
-    found = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        if stat[stat.rfind(b")") + 2 :][:1] == b"T":
-            found.append(pid)
-    return found
+    return [pid for pid in pids if (stat := proc_stat(pid)) is not None and stat.state == "T"]
 
 
 def test_a_cut_master_within_its_grace_costs_no_restart(

@@ -21,15 +21,6 @@ from planaria import process
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG and /proc")
 
 
-def alive(pid: int) -> bool:
-    """Running or stopped; a zombie or a vanished process is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-
-
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -45,7 +36,7 @@ def pids() -> Iterator[list[int]]:
     started: list[int] = []
     yield started
     for pid in started:
-        if alive(pid):  # what passed leaves none: this is for a test that failed midway
+        if process.running(pid):  # what passed leaves none: this is for a test that failed midway
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
@@ -89,14 +80,14 @@ def test_a_child_dies_when_its_threaded_parent_is_sigkilled(how: str, pids: list
     assert parent.stdout is not None
     child = int(parent.stdout.readline())
     pids.append(child)
-    assert alive(child)
+    assert process.running(child)
     assert os.getpgid(child) == child != os.getpgid(parent.pid)  # a group of its own
     if how == "trampoline":  # the pid is the command's own, not the trampoline's
         assert Path(f"/proc/{child}/cmdline").read_bytes() == b"sleep\x0060\x00"
     parent.kill()
     parent.wait()
     parent.stdout.close()
-    assert wait_for(lambda: not alive(child)), "the child outlived its SIGKILLed parent"
+    assert wait_for(lambda: not process.running(child)), "the child outlived its SIGKILLed parent"
 
 
 SHORT_THREAD_PARENT = """
@@ -119,7 +110,7 @@ def test_the_death_signal_follows_the_thread_that_started_the_child(pids: list[i
     assert parent.stdout is not None
     child = int(parent.stdout.readline())
     pids.append(child)
-    assert wait_for(lambda: not alive(child))
+    assert wait_for(lambda: not process.running(child))
     assert parent.poll() is None
     parent.kill()
     parent.wait()
@@ -172,7 +163,7 @@ def test_kill_group_ends_a_grandchild_that_ignores_sigterm_after_the_grace(
     started = time.monotonic()
     assert process.kill_group(leader.pid, grace) is True
     assert time.monotonic() - started >= grace  # the grandchild held it: SIGKILL after the grace
-    assert not any(alive(pid) for pid in family.values())
+    assert not any(process.running(pid) for pid in family.values())
     assert leader.wait() == -signal.SIGTERM  # the leader itself obeyed SIGTERM
     assert process.live_groups([leader.pid]) == set()
 
@@ -234,6 +225,31 @@ def test_a_zombie_is_not_a_live_member(pids: list[int]) -> None:
     assert proc.wait() == 0
     with pytest.raises(ChildProcessError):
         process.has_exited(proc.pid)
+
+
+def test_proc_stat_reads_a_process_whose_name_holds_spaces_and_parentheses(
+    tmp_path: Path, pids: list[int]
+) -> None:
+    """The command name sits between the pid and the state in ``/proc/PID/stat`` and may
+    hold ") (": the fields are counted from its end."""
+    odd = tmp_path / "a) (b c"
+    odd.symlink_to(sys.executable)
+    proc = process.popen([str(odd), "-c", "import time; time.sleep(30)"])
+    pids.append(proc.pid)
+    stat = process.proc_stat(proc.pid)
+    assert stat is not None
+    assert Path(f"/proc/{proc.pid}/comm").read_text().strip() == "a) (b c"
+    assert stat.ppid == os.getpid() and stat.pgrp == proc.pid  # a group of its own
+    assert stat.state in ("R", "S") and not stat.exited and process.running(proc.pid)
+    assert int(stat.start_time) > 0
+    assert proc.pid in process.group_members(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert wait_for(lambda: process.has_exited(proc.pid))
+    zombie = process.proc_stat(proc.pid)
+    assert zombie is not None and zombie.state == "Z" and zombie.exited
+    assert not process.running(proc.pid) and process.group_members(proc.pid) == []
+    proc.wait()
+    assert process.proc_stat(proc.pid) is None and not process.running(proc.pid)
 
 
 # --- starting -------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ we are root, and are never found.
 Markers nest: :func:`marked` adds one to those already in the variable (comma-separated), so a
 test session's marker still finds what a benchmark it runs starts under the benchmark's own.
 
-Standard library only (benchmarks use it without the rest of planaria); Linux only (``/proc``).
+Standard library and :mod:`planaria.process` only (benchmarks use it without the rest of
+planaria); Linux only (``/proc``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import signal
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+
+from planaria.process import proc_stat
 
 VARIABLE = "PLANARIA_TRACE"
 """The environment variable holding the markers, comma-separated."""
@@ -141,11 +144,8 @@ def _describe(pid: int) -> Survivor:
         command = b" ".join(argv).decode(errors="replace")
     except OSError:
         command = ""
-    ppid = 0
-    with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/stat", "rb") as f:
-        stat = f.read()
-        ppid = int(stat[stat.rfind(b")") + 2 :].split()[1])  # "pid (comm) state ppid ..."
-    return Survivor(pid, ppid, command or "?")
+    stat = proc_stat(pid)
+    return Survivor(pid, 0 if stat is None else stat.ppid, command or "?")
 
 
 def survivors(markers: str | Iterable[str], *, exclude: Collection[int] = ()) -> list[Survivor]:

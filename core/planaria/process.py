@@ -34,8 +34,8 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import asyncio.subprocess
@@ -267,6 +267,64 @@ def signal_group(pgid: int, sig: int, *, leader: bool = False) -> None:
         pass
 
 
+class ProcStat(NamedTuple):
+    """What this package reads of a process's ``/proc/PID/stat``."""
+
+    state: str
+    """``R`` running, ``S`` sleeping, ``T`` stopped, ``Z`` a zombie, ...: proc(5)."""
+    ppid: int
+    pgrp: int
+    start_time: str
+    """When it started, in clock ticks since boot: with the pid, it names one process."""
+
+    @property
+    def exited(self) -> bool:
+        """It has exited (a zombie, or dead): it only waits to be reaped."""
+        return self.state in ("Z", "X", "x")
+
+
+def proc_stat(pid: int | str) -> ProcStat | None:
+    """Process ``pid`` as ``/proc`` tells it; None when there is no such process (or no
+    /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses: count from its end.
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    if len(fields) < 20:
+        return None
+    return ProcStat(fields[0].decode(), int(fields[1]), int(fields[2]), fields[19].decode())
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (running, sleeping or stopped)."""
+    stat = proc_stat(pid)
+    return stat is not None and not stat.exited
+
+
+def processes() -> Iterator[tuple[int, ProcStat]]:
+    """Every process of this machine that has not exited, with its stat (one scan of
+    ``/proc``; one that exits meanwhile may be left out). Nothing without /proc."""
+    try:
+        entries = os.scandir("/proc")
+    except OSError:
+        return
+    with entries:
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            stat = proc_stat(entry.name)
+            if stat is not None and not stat.exited:
+                yield int(entry.name), stat
+
+
+def group_members(pgid: int) -> list[int]:
+    """The pids of process group ``pgid`` that have not exited, in order."""
+    return sorted(pid for pid, stat in processes() if stat.pgrp == pgid)
+
+
 def live_groups(pgids: Iterable[int]) -> set[int]:
     """Which of ``pgids`` still have a live member; a zombie is not live (it only waits to be
     reaped). From /proc; without it, a group of zombies counts as live."""
@@ -281,31 +339,14 @@ def live_groups(pgids: Iterable[int]) -> set[int]:
         except PermissionError:
             pass
         candidates.add(pgid)
-    if not candidates:
-        return candidates
-    try:
-        entries = os.scandir("/proc")
-    except OSError:
+    if not candidates or not os.path.isdir("/proc"):
         return candidates
     live: set[int] = set()
-    with entries:
-        for entry in entries:
-            if not entry.name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry.name}/stat", "rb") as f:
-                    stat = f.read()
-            except OSError:  # it exited meanwhile
-                continue
-            # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
-            fields = stat[stat.rfind(b")") + 2 :].split()
-            if len(fields) < 3 or fields[0] in (b"Z", b"X", b"x"):
-                continue
-            pgrp = int(fields[2])
-            if pgrp in candidates:
-                live.add(pgrp)
-                if live == candidates:
-                    break
+    for _, stat in processes():
+        if stat.pgrp in candidates:
+            live.add(stat.pgrp)
+            if live == candidates:
+                break
     return live
 
 

@@ -146,14 +146,8 @@ class LocalOptions(BaseModel):
 def start_time(pid: int) -> str | None:
     """When process ``pid`` started (clock ticks since boot, ``/proc/PID/stat`` field 22):
     with the pid, it names one process for good; None when there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: count from its end.
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    return fields[19].decode() if len(fields) > 19 and fields[0] != b"Z" else None
+    stat = process.proc_stat(pid)
+    return None if stat is None or stat.exited else stat.start_time
 
 
 class _Adopted:

@@ -50,6 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from planaria.process import proc_stat
+
 PREFIX = "pl-"
 SUBNET = "10.214"
 NETNS_DIR = Path("/run/netns")
@@ -329,11 +331,8 @@ def kill_processes(netns: str, wait: float = KILL_WAIT) -> list[int]:
 
 def _start_time(pid: int) -> str:
     """The process's start time in clock ticks since boot: with the pid, it names one process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    return stat.rsplit(")", 1)[1].split()[19]
+    stat = proc_stat(pid)
+    return "" if stat is None else stat.start_time
 
 
 def _stale() -> Iterator[tuple[Path, list[str]]]:

@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from planaria.process import running
 from planaria.protocol import NODE_ID_ENV
 from planaria.scheduler.api import LaunchSpec, NodeEvent, NodeHandle, NodeState, Scheduler
 
@@ -67,11 +68,9 @@ def _environ(pid: str) -> dict[bytes, bytes] | None:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             raw = f.read()
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
     except OSError:  # exited meanwhile, or another user's
         return None
-    if stat[stat.rfind(b")") + 2 :][:1] in (b"Z", b"X", b"x"):
+    if not running(int(pid)):
         return None  # a zombie has exited; it only waits to be reaped
     return dict(item.partition(b"=")[::2] for item in raw.split(b"\0") if item)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -11,6 +10,7 @@ from conftest import FakeNpuSmi, calls
 
 from planaria.errors import HealthCheckError
 from planaria.health.api import CheckContext, DeviceResult, Status
+from planaria.process import running
 from planaria_ascend import AscendCheck, AscendOptions
 
 
@@ -148,27 +148,14 @@ def test_one_chip_query_failing_fails_that_chip_alone(
     assert results["npu3"].status is Status.OK
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead for our purpose; look at its state.
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def _wait_dead(pids: list[int], timeout: float = 5.0) -> list[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        alive = [p for p in pids if _alive(p)]
+        alive = [p for p in pids if running(p)]
         if not alive:
             return []
         time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if running(p)]
 
 
 def test_npu_smi_hanging_is_killed_with_its_children(

@@ -5,13 +5,13 @@ A uniquely named module, not ``conftest``, so that it can be imported next to ot
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from planaria.health.api import CheckContext, DeviceResult
+from planaria.process import running
 from planaria_custom_script import CustomScriptCheck, CustomScriptOptions
 
 MakeScript = Callable[..., Path]
@@ -25,45 +25,15 @@ def run_script(context: CheckContext, path: Path, **options: Any) -> list[Device
     return make_check(context, path, **options).run()
 
 
-def alive(pid: int) -> bool:
-    """True while ``pid`` runs; a zombie is dead (it only waits for its parent to reap it)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat_file = Path(f"/proc/{pid}/stat")
-    try:
-        state = stat_file.read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return not Path("/proc").is_dir()  # without /proc, trust kill(0); with it, it vanished
-    return state not in ("Z", "X")
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live pids whose process group is ``pgid`` (Linux /proc)."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        state, pgrp = fields[0], int(fields[2])
-        if pgrp == pgid and state not in ("Z", "X"):
-            members.append(int(entry.name))
-    return members
-
-
 def wait_dead(pids: Iterable[int], within: float = 2.0) -> list[int]:
     """The pids still alive after ``within`` seconds (SIGKILL is delivered asynchronously)."""
     pending = list(pids)
     deadline = time.monotonic() + within
     while pending and time.monotonic() < deadline:
-        pending = [pid for pid in pending if alive(pid)]
+        pending = [pid for pid in pending if running(pid)]
         if pending:
             time.sleep(0.02)
-    return [pid for pid in pending if alive(pid)]
+    return [pid for pid in pending if running(pid)]
 
 
 def read_pids(directory: Path, within: float = 5.0, count: int = 1) -> dict[str, int]:

@@ -12,8 +12,6 @@ from pathlib import Path
 import pytest
 from custom_script_helpers import (
     MakeScript,
-    alive,
-    group_members,
     make_check,
     read_pids,
     run_script,
@@ -22,6 +20,7 @@ from custom_script_helpers import (
 
 from planaria.errors import HealthCheckError
 from planaria.health.api import CheckContext, DeviceResult, Status
+from planaria.process import group_members, running
 from planaria_custom_script import process_group
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -84,7 +83,7 @@ def test_cancel_from_another_thread_kills_the_group(
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
     pids = read_pids(pids_dir, count=4)
-    assert all(alive(pid) for pid in pids.values())
+    assert all(running(pid) for pid in pids.values())
     started = time.monotonic()
     check.cancel()
     thread.join(30)

@@ -18,6 +18,7 @@ import pytest
 from kubernetes.client import CoreV1Api
 from kubernetes.client.exceptions import ApiException
 
+from planaria.process import running
 from planaria_kubernetes.testing import EmulatedCluster
 
 NS = "planaria"
@@ -58,16 +59,6 @@ def pod(
 def message(exc: pytest.ExceptionInfo[ApiException]) -> str:
     """The ``message`` of the ``Status`` an API error carries."""
     return str(json.loads(exc.value.body)["message"])
-
-
-def alive(pid: int) -> bool:
-    """Whether a process runs (a zombie, which an orphan can stay when PID 1 does not reap it,
-    is not running)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def phase(cluster: EmulatedCluster, name: str) -> str | None:
@@ -414,7 +405,7 @@ def test_delete_running_pod_stops_it(cluster: EmulatedCluster, v1: CoreV1Api) ->
         if event["type"] == "DELETED":
             break
     assert seen[0] == "MODIFIED" and seen[-1] == "DELETED"
-    assert pids and not [pid for pid in pids if alive(pid)]
+    assert pids and not [pid for pid in pids if running(pid)]
 
 
 def test_forced_deletion_and_preconditions(cluster: EmulatedCluster, v1: CoreV1Api) -> None:
@@ -430,7 +421,7 @@ def test_forced_deletion_and_preconditions(cluster: EmulatedCluster, v1: CoreV1A
         "forced", NS, grace_period_seconds=0, body={"preconditions": {"uid": created.metadata.uid}}
     )
     assert cluster.pod("forced") is None  # gone at once; the kubelet then kills its processes
-    cluster.wait(lambda: not [pid for pid in pids if alive(pid)], 5, "the processes killed")
+    cluster.wait(lambda: not [pid for pid in pids if running(pid)], 5, "the processes killed")
 
 
 def test_bookmarks(cluster: EmulatedCluster, v1: CoreV1Api) -> None:
@@ -542,7 +533,7 @@ def test_nothing_left_running_after_stop(tmp_path: Path) -> None:
         v1.create_namespaced_pod(NS, pod("family", ["sh", "-c", "sleep 60 & sleep 60; wait"]))
         cluster.wait(lambda: len(cluster.pod_pids("family")) >= 2, 10, "both processes")
         pids = cluster.pod_pids("family")
-    assert len(pids) >= 2 and not [pid for pid in pids if alive(pid)]
+    assert len(pids) >= 2 and not [pid for pid in pids if running(pid)]
     assert set(threading.enumerate()) <= threads
     host, port = cluster.url.removeprefix("http://").split(":")
     with pytest.raises(ConnectionRefusedError):

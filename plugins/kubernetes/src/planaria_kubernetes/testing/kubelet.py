@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from planaria.process import group_members
 from planaria_kubernetes.testing import semantics
 from planaria_kubernetes.testing.apiserver import Store
 from planaria_kubernetes.testing.scheduler import is_terminal
@@ -463,22 +464,6 @@ class Kubelet:
             if (container.namespace, container.pod) == (namespace, pod):
                 return group_members(container.process.pid)
         return []
-
-
-def group_members(pgid: int) -> list[int]:
-    members: list[int] = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses.
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(entry.name))
-    return sorted(members)
 
 
 _VAR = re.compile(r"\$\$|\$\(([-._A-Za-z0-9]+)\)")
