@@ -199,10 +199,21 @@ def test_a_body_over_the_limit_is_a_413_saying_so_chunked_or_not(tmp_path):
         status, headers, reply = http_reply(await read_reply(reader))
         writer.close()
         assert status == 413 and headers["content-type"].startswith("application/json")
+        assert headers["connection"] == "close"
         assert reply == {
             "error": f"request body of 10000000 bytes is over the limit of {LIMIT} "
             "(master.max_request_bytes)"
         }
+
+        # The connection is closed as the answer says, once the body's rest is read and
+        # dropped (aiohttp's lingering close), not kept for a next request.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        over = LIMIT + 1
+        writer.write(start + b"Content-Length: %d\r\n\r\n%s" % (over, b" " * over))
+        status, headers, _ = http_reply(await read_reply(reader))
+        assert status == 413 and headers["connection"] == "close"
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
 
         # Chunked, no Content-Length: refused once more than the limit came.
         reader, writer = await asyncio.open_connection("127.0.0.1", port)

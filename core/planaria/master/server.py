@@ -438,11 +438,13 @@ async def _read(request: web.Request, limit: int) -> bytes:
 
 
 def _too_large(size: str, limit: int) -> web.Response:
-    return _error(
-        413,
-        f"request body of {size} is over the limit of {limit} (master.max_request_bytes)",
-        headers={"Connection": "close"},
+    """413, and the connection closed after it: the rest of the body is never read, and
+    would otherwise be taken for the next request."""
+    response = _error(
+        413, f"request body of {size} is over the limit of {limit} (master.max_request_bytes)"
     )
+    response.force_close()
+    return response
 
 
 async def _body(request: web.Request, model: type[M]) -> M:
