@@ -196,6 +196,54 @@ def test_a_heartbeat_is_answered_as_aiohttp_answers_it(tmp_path, case, data, sta
     asyncio.run(with_hot_master(tmp_path, body))
 
 
+def join(node: str) -> bytes:
+    body = {"node_id": node, "addr": "127.0.0.1", "port": 40000 + int(node.rsplit("-", 1)[1])}
+    return request("/rendezvous/join", json.dumps(body).encode())
+
+
+def test_a_join_is_held_and_answered_by_the_lean_path_as_aiohttp_answers_it(tmp_path):
+    """A round's joins come from every node at once: the lean path holds one until the round
+    closes (here when the other node joins through aiohttp), and answers a join as aiohttp
+    does."""
+
+    async def body(master, book, port):
+        first, second = await Connection.open(port), await Connection.open(port)
+        register = b'{"node_id":"node-1","host":"h1","addr":"127.0.0.1","pid":2}'
+        try:
+            assert (await first.exchange(WARM)).startswith(b"HTTP/1.1 200")
+            assert (await second.exchange(request("/register", register))).startswith(
+                b"HTTP/1.1 200"
+            )
+            before = book.hot.taken
+            first.writer.write(join("node-0"))  # held: the round waits for node-1
+            await asyncio.sleep(0.3)
+            assert book.hot.taken == before + 1 and master.nodes["node-0"].phase.value == "joined"
+            saved, book.hot = book.hot, None
+            try:
+                plain = await second.exchange(join("node-1"))
+            finally:
+                book.hot = saved
+            lean = await first.response()
+        finally:
+            first.close()
+            second.close()
+        infos = []
+        for answer in (lean, plain):
+            assert answer.startswith(b"HTTP/1.1 200 OK"), answer[:300]
+            reply = json.loads(answer.partition(b"\r\n\r\n")[2])
+            assert reply["state"] == "ready", reply
+            infos.append(reply["info"])
+        assert sorted(i["node_rank"] for i in infos) == [0, 1]
+        assert infos[0]["round"] == infos[1]["round"] == master.round
+        # The round closed: a join again is ready at once, the same bytes either way.
+        before = book.hot.taken
+        again_lean, again_plain = await both_ways(book, port, join("node-0"))
+        assert again_lean == again_plain and b'"state":"ready"' in again_lean
+        assert book.hot.taken == before + 1
+
+    asyncio.run(with_hot_master(tmp_path, body))
+
+
 @pytest.mark.parametrize("phase", ["lost", "not attached"])
 def test_a_fenced_or_unattached_node_gets_410_or_409_from_the_lean_path(tmp_path, phase):
     async def body(master, book, port):

@@ -44,6 +44,7 @@ from planaria.master.state import (
     NotAttached,
     RegistrationRefused,
     UnknownNode,
+    Wake,
 )
 from planaria.master.timeline import Fault, Summary, Timeline
 from planaria.protocol import (
@@ -109,7 +110,7 @@ class Master:
         self.started = time.time()
         self.first_step_at: float | None = None
         self.finished_at: float | None = None
-        self._round_settled = asyncio.Event()
+        self._round_settled = Wake()
         """Set when the forming round closes, is superseded or the job ends."""
         self.restore = "storage"
         """Where this round's workers restore from: ``memory:<step>`` or ``storage``."""
@@ -213,7 +214,7 @@ class Master:
             node.last_seen = now
             self.fleet.add(node)
         if self.state is JobState.RENDEZVOUS:  # re-formed from the joins that come now
-            self._round_settled = asyncio.Event()
+            self._round_settled = Wake()
         clock = parts.get("clock")
         down = None if not isinstance(clock, float) else max(0.0, time.time() - clock)
         expected = [n.node_id for n in self.nodes.values() if not n.attached]
@@ -365,7 +366,9 @@ class Master:
         self.fleet.register(request)
         return self.spec
 
-    async def join(self, request: JoinRequest, wait: float = 5.0) -> JoinReply:
+    def join(self, request: JoinRequest, wait: float = 5.0) -> JoinReply | Held[JoinReply]:
+        """A node joins the forming round: ``ready`` with its rank once the round closes,
+        held at most ``wait`` seconds (then ``wait``: ask again)."""
         node = self.heard_from(request.node_id)
         if self.state.terminal or node.phase.gone:
             return JoinReply(state="exit", reason=self.reason or "the job is over")
@@ -377,22 +380,25 @@ class Master:
             return self._ready(request.node_id)
         if self.rounds.closed:
             node.phase = NodePhase.STANDBY
-            await asyncio.sleep(min(wait, 1.0))
-            return JoinReply(state="wait", reason="the running world is full; standing by")
+            standing = JoinReply(state="wait", reason="the running world is full; standing by")
+            return Held(_later(min(wait, 1.0)), lambda: standing)
         self.rounds.join(request.node_id, request.addr, request.port, time.time())
         node.phase = NodePhase.JOINED
         self._maybe_close()
         round_now, settled = self.rounds.round, self._round_settled
-        try:
-            await asyncio.wait_for(settled.wait(), timeout=wait)
-        except asyncio.TimeoutError:
+        waiting = settled.waiter(wait)
+        if waiting is None:
+            return self._joined(node, round_now, settled)
+        return Held(waiting, lambda: self._joined(node, round_now, settled))
+
+    def _joined(self, node: Node, round_now: int, settled: Wake) -> JoinReply:
+        node.last_seen = time.monotonic()  # its agent held the request open all along
+        if not settled.is_set():
             return JoinReply(state="wait", reason=f"round {round_now} still forming")
-        finally:  # its agent held the request open all along: its silence starts now
-            node.last_seen = time.monotonic()
         if self.state.terminal:
             return JoinReply(state="exit", reason=self.reason)
-        if self.rounds.round == round_now and request.node_id in self.rounds.world:
-            return self._ready(request.node_id)
+        if self.rounds.round == round_now and node.node_id in self.rounds.world:
+            return self._ready(node.node_id)
         return JoinReply(state="wait", reason="standing by, or a newer round opened")
 
     def _ready(self, node_id: str) -> JoinReply:
@@ -512,7 +518,7 @@ class Master:
 
     def open_round(self) -> int:
         self._round_settled.set()  # waiters of the old round re-join the new one
-        self._round_settled = asyncio.Event()
+        self._round_settled = Wake()
         self.state = JobState.RENDEZVOUS
         return self.rounds.open(time.time())
 
@@ -686,3 +692,16 @@ class Master:
 
 def _ignore(event: JobEvent) -> None:
     pass
+
+
+def _later(delay: float) -> asyncio.Future[None]:
+    """A future done after ``delay`` seconds."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def due() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    loop.call_later(delay, due)
+    return done

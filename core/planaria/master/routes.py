@@ -83,9 +83,10 @@ class Route:
     """The reply's media type. Other than JSON, the reply model is a string's (a
     ``RootModel[str]``), served as it is."""
     hot: bool = False
-    """Sent by every node all the time (the heartbeat): the server reads and answers it at the
-    byte level when it comes whole and plain (:mod:`planaria.master.wire`), the same way, at a
-    fraction of the cost. Only for a JSON route with a body that needs the token."""
+    """Sent by every node all the time (the heartbeat), or by all of them at once (a round's
+    joins): the server reads and answers it at the byte level when it comes whole and plain
+    (:mod:`planaria.master.wire`), the same way, at a fraction of the cost. Only for a JSON
+    route with a body that needs the token."""
 
     @property
     def operation_id(self) -> str:
@@ -152,6 +153,7 @@ ROUTES: tuple[Route, ...] = (
         "Join the next round (a long poll): ready with ranks, wait, or exit",
         lambda c, body: c.master.join(body, c.join_hold),
         errors=NODE,
+        hot=True,
     ),
     Route(
         "POST",

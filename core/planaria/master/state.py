@@ -57,16 +57,17 @@ class NotAttached(Exception):
 
 
 class Wake:
-    """What ends a node's long poll early (an action for it, news for the pre-flight): an
-    event whose :meth:`wait` gives up after a while by itself. Unlike ``asyncio.wait_for`` on
-    an ``asyncio.Event`` it makes no task per wait: a master holding 10,000 nodes' heartbeats
-    waits 10,000 times a second."""
+    """What ends a long poll early (an action for a node, news for the pre-flight, a round
+    that closed): an event whose :meth:`wait` gives up after a while by itself. Unlike
+    ``asyncio.wait_for`` on an ``asyncio.Event`` it makes no task per wait: a master holding
+    10,000 nodes' heartbeats waits 10,000 times a second."""
 
-    __slots__ = ("_set", "_waiters")
+    __slots__ = ("_prune_at", "_set", "_waiters")
 
     def __init__(self) -> None:
         self._set = False
         self._waiters: list[asyncio.Future[None]] = []
+        self._prune_at = 2
 
     def is_set(self) -> bool:
         return self._set
@@ -88,8 +89,12 @@ class Wake:
             return None
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
-        if self._waiters:  # those of earlier waits that timed out or were given up
+        if len(self._waiters) >= self._prune_at:
+            # Drop those of earlier waits that timed out or were given up, as seldom as keeps
+            # the list within twice its live waiters: 10,000 nodes joining one round wait on
+            # one Wake, and pruning at each would cost O(n) a join.
             self._waiters = [w for w in self._waiters if not w.done()]
+            self._prune_at = 2 * len(self._waiters) + 2
         self._waiters.append(waiter)
         _deadlines(loop).add(loop, loop.time() + timeout, waiter)
         return waiter
