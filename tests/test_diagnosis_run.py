@@ -7,12 +7,16 @@ stragglers, classified worker faults and nodes failing their health checks.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
 import pytest
 import test_run
 from test_run import EXAMPLE, events, job, run, weights
+
+from planaria.testing.jobs import wait_for
 
 mark = test_run.mark  # the fixture that checks no process of a run outlives it
 
@@ -339,3 +343,51 @@ def test_crash_loop_rounds_0_restarts_a_crash_before_any_step_until_the_budget_i
     assert result.returncode == 1, result.stdout + result.stderr
     assert "restart budget spent (2 of 2 restarts used)" in " ".join(result.stdout.split())
     assert len([e for e in events(tmp_path) if e["kind"] == "workers_restarted"]) == 2
+
+
+def test_two_outside_kills_of_a_rank_of_a_job_that_reports_no_steps_are_restarted(tmp_path, mark):
+    """A script that never reports a step, its rank 0 SIGKILLed from outside in two rounds in a
+    row: no crash loop (a kill is no error of its own, and no step is known to have come after
+    it), the job restarts it twice and finishes."""
+    starts = tmp_path / "starts"
+    starts.mkdir()
+    code = (
+        "import os, pathlib, time\n"
+        f"here = pathlib.Path({str(starts)!r})\n"
+        "(here / f\"rank-{os.environ['RANK']}-{os.getpid()}\").touch()\n"
+        "while not (here / 'done').exists():\n"
+        "    time.sleep(0.1)\n"
+    )
+    command = {"command": [sys.executable, "-c", code], "preload": [], "max_restarts": 5}
+    master = test_run.start(tmp_path, mark, str(job(tmp_path, job=command)))
+    try:
+        killed: set[int] = set()
+
+        def started() -> set[int]:
+            """Rank 0's start not yet killed; the test fails at once when the job ended."""
+            if master.poll() is not None:
+                pytest.fail(f"the job ended:\n{master.communicate()[0]}")
+            return _rank_0(starts) - killed
+
+        for _ in range(2):
+            pid = wait_for("rank 0 starting", started).pop()
+            killed.add(pid)
+            os.kill(pid, signal.SIGKILL)
+        wait_for("rank 0 starting a third time", started)
+        (starts / "done").touch()
+        output, _ = master.communicate(timeout=120)
+    finally:
+        if master.poll() is None:
+            master.kill()
+            master.wait()
+    assert master.returncode == 0, output
+    assert "crash loop" not in output
+    timeline = events(tmp_path)
+    restarted = [e for e in timeline if e["kind"] == "workers_restarted"]
+    assert len(restarted) == 2, [e["message"] for e in timeline]
+    assert not [e for e in timeline if e["kind"] == "job_stopped"]
+
+
+def _rank_0(starts: Path) -> set[int]:
+    """The pids rank 0 has had (each start leaves ``rank-0-PID``)."""
+    return {int(p.name.rsplit("-", 1)[1]) for p in starts.glob("rank-0-*")}

@@ -48,14 +48,25 @@ EXCLUDE = "replace the node, exclude host host-1"
 MISSING = "ModuleNotFoundError: No module named 'no_such_module_xyz'"
 LOOP = "stop: crash loop (diagnosis.crash_loop_rounds: 2)"
 RESTART = (Act.RESTART, "restart workers in place", False, False, True, True)
-AFTER_CRASH = replace(TRAINING, restarts=1, crashes=(Crash(1, MISSING, round=1),))
+AFTER_CRASH = replace(TRAINING, restarts=1, crashes=(Crash(1, MISSING, round=1),), stepped=True)
 """Round 1 ended with rank 1's crash before any step; round 2 runs."""
+SIGKILLED = "killed by SIGKILL"
+AFTER_KILL = replace(
+    TRAINING, restarts=1, crashes=(Crash(1, SIGKILLED, round=1, signal="SIGKILL"),)
+)
+"""Round 1 of a job that reports no steps ended with rank 1 SIGKILLed; round 2 runs."""
 
 
 def crashed(type_: FaultType = FaultType.USER, rank: int = 1, error: str = MISSING,
             round_: int = 2, source: Source = Source.WORKERS) -> NodeFault:  # fmt: skip
     """Rank ``rank`` failed with ``error`` in round ``round_`` before any step."""
     return fault(type_, source, crashes=(Crash(rank, error, round=round_),))
+
+
+def killed(signal: str = "SIGKILL", round_: int = 2) -> NodeFault:
+    """Rank 1 ended by ``signal`` in round ``round_`` with no step of its round."""
+    crash = Crash(1, f"killed by {signal}", round=round_, signal=signal)
+    return fault(FaultType.TRANSIENT, crashes=(crash,))
 
 
 # id, rules, situation, event, decision (act, action, remove, exclude_host, restart, record)
@@ -173,6 +184,27 @@ ROWS = [
      (Act.NONE, "none (its round was restarted already)", False, False, False, False)),
     ("a node fault before any step twice is still replaced", RULES, AFTER_CRASH,
      crashed(FaultType.NODE), (Act.REPLACE, EXCLUDE, True, True, True, True)),
+    ("two outside SIGKILLs of a rank, no step known: restarts", RULES, AFTER_KILL,
+     killed(), RESTART),
+    ("two outside SIGKILLs of a rank, steps known: restarts", RULES,
+     replace(AFTER_KILL, stepped=True), killed(), RESTART),
+    ("two SIGTERMs of a rank: restarts", RULES, replace(AFTER_KILL, crashes=(
+        Crash(1, "killed by SIGTERM", round=1, signal="SIGTERM"),)),
+     killed("SIGTERM"), RESTART),
+    ("an outside kill, then the same error: restarts (the kill broke the run)", RULES,
+     replace(AFTER_KILL, crashes=(Crash(1, MISSING, round=1, signal="SIGKILL"),)),
+     crashed(), RESTART),
+    ("an outside kill with crash_loop_rounds 1: restarts", replace(RULES, crash_loop_rounds=1),
+     TRAINING, killed(round_=1), RESTART),
+    ("the same segfault before any step twice stops (a signal of its own)", RULES,
+     replace(AFTER_KILL, crashes=(Crash(1, "killed by SIGSEGV", round=1, signal="SIGSEGV"),)),
+     killed("SIGSEGV"), (Act.STOP, LOOP, False, False, False, True)),
+    ("the same exception twice, no step known: stops", RULES, replace(AFTER_CRASH,
+     stepped=False), crashed(), (Act.STOP, LOOP, False, False, False, True)),
+    ("the same exit code twice, no step known: stops", RULES,
+     replace(TRAINING, restarts=1, crashes=(Crash(1, "exit code 3", round=1),)),
+     replace(crashed(FaultType.TRANSIENT), crashes=(Crash(1, "exit code 3", round=2),)),
+     (Act.STOP, LOOP, False, False, False, True)),
 ]  # fmt: skip
 
 
@@ -217,9 +249,28 @@ def test_a_crash_loop_says_which_rank_what_error_and_how_to_change_it():
         "before any step; a restart would fail the same way. Fix the error, or set "
         "diagnosis.crash_loop_rounds (now 2; 0 turns this off) to restart anyway"
     )
-    once = decide(replace(RULES, crash_loop_rounds=1), TRAINING, crashed(round_=1))
+    once = decide(
+        replace(RULES, crash_loop_rounds=1), replace(TRAINING, stepped=True), crashed(round_=1)
+    )
     assert once.act is Act.STOP
     assert f"rank 1 failed with {MISSING!r} before any step; a restart" in once.reason
+
+
+def test_a_crash_loop_of_a_job_that_reports_no_steps_does_not_claim_before_any_step():
+    loop = decide(RULES, replace(AFTER_CRASH, stepped=False), crashed())
+    assert loop.reason.startswith(
+        f"crash loop: rank 1 failed with {MISSING!r} twice, in 2 consecutive rounds, each time "
+        "before any step was reported (it reports none); a restart would fail the same way."
+    )
+
+
+def test_remember_breaks_a_ranks_run_at_an_outside_kill():
+    kill = Crash(0, SIGKILLED, 2, signal="SIGKILL")
+    first = remember((), [Crash(0, SIGKILLED, 1, signal="SIGKILL")])
+    assert remember(first, [kill]) == (kill,)  # rounds stays 1: a kill repeats nothing
+    assert kill.killed and not Crash(0, "killed by SIGSEGV", 2, signal="SIGSEGV").killed
+    segv = remember((), [Crash(0, "killed by SIGSEGV", 1, signal="SIGSEGV")])
+    assert remember(segv, [Crash(0, "killed by SIGSEGV", 2, signal="SIGSEGV")])[0].rounds == 2
 
 
 def test_remember_counts_a_ranks_crash_in_consecutive_rounds_only():

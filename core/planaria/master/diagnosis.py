@@ -9,6 +9,7 @@ health check, a straggler when ``replace_stragglers``), or stop (a user error wh
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Mapping
 
@@ -47,6 +48,16 @@ def last_words(failure: WorkerFailure) -> str:
         if line:
             return line
     return failure.description
+
+
+def signal_name(number: int | None) -> str | None:
+    """``SIGKILL`` for 9; ``signal 64`` for a number this system has no name for."""
+    if number is None:
+        return None
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def stopped_on_start(summary: Summary) -> bool:
@@ -95,7 +106,10 @@ class Diagnosis:
             detail = text if each is failure else detail
         crashes: tuple[Crash, ...] = ()
         if report.last_step < 0:  # none of the node's workers completed a step in the round
-            crashes = tuple(Crash(f.rank, last_words(f), report.round) for f in failures)
+            crashes = tuple(
+                Crash(f.rank, last_words(f), report.round, signal=signal_name(f.signal))
+                for f in failures
+            )
         if not current and verdict.kind is not FaultClass.NODE and not crashes:
             return
         if not current and verdict.kind is FaultClass.NODE:

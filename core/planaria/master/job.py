@@ -293,6 +293,10 @@ class Master:
         return self.state.terminal
 
     @property
+    def steps_known(self) -> bool:
+        return self.first_step_at is not None
+
+    @property
     def stop_reason(self) -> str:
         return self.reason
 

@@ -13,8 +13,12 @@ happened (a :class:`NodeFault` or a :class:`ReplacementFailed`), and carries out
 - a failure of a round restarted already, or of no running round, that is not the node's:
   nothing more (the restart that came first covers it);
 - a user error with ``diagnosis.on_user_error: stop``: stop;
-- a crash loop: a rank that failed the same way (the same exception line) before any step in
-  ``diagnosis.crash_loop_rounds`` consecutive rounds: stop (the next restart would fail alike);
+- a crash loop: a rank that failed with the same error of its own (the same exception line,
+  exit code or fatal signal it raised) before any step in ``diagnosis.crash_loop_rounds``
+  consecutive rounds: stop (the next restart would fail alike). A kill by a signal another
+  process sends (:data:`OUTSIDE_SIGNALS`) is no error of the program's and never counts;
+  when the job has reported no step yet, the reason does not claim the failures came before
+  one;
 - anything else (a transient fault, a user error to restart, a hang) restarts the workers;
 - restarting the running world spends one of ``max_restarts``; with none left the job stops,
   and no node is asked for;
@@ -79,6 +83,13 @@ class Act(str, Enum):
 
 CANNOT_START = "stop: the workers cannot start, and a restart would fail the same way"
 
+OUTSIDE_SIGNALS = frozenset(
+    {"SIGKILL", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"}
+)
+"""Signals one process sends another (an operator, the OOM killer, a scheduler, the agent):
+a worker they end did not fail by itself, and another one would not fail alike. The fatal
+signals a program raises on itself (SIGSEGV, SIGABRT, SIGBUS, ...) are its own error."""
+
 
 @dataclass(frozen=True)
 class Crash:
@@ -91,6 +102,22 @@ class Crash:
     round: int
     rounds: int = 1
     """Consecutive rounds, up to ``round``, in which the rank failed so."""
+    signal: str | None = None
+    """The signal that ended it (``SIGKILL``), if one did."""
+
+    @property
+    def killed(self) -> bool:
+        """Ended by a signal from outside (:data:`OUTSIDE_SIGNALS`): no error of its own, so
+        no crash loop's, and it breaks the rank's run of repeats."""
+        return self.signal in OUTSIDE_SIGNALS
+
+    def repeats(self, before: Crash) -> bool:
+        """This crash is ``before``'s error again, in the round after it."""
+        return (
+            not (self.killed or before.killed)
+            and before.round == self.round - 1
+            and before.error == self.error
+        )
 
 
 def remember(memory: Iterable[Crash], crashes: Iterable[Crash]) -> tuple[Crash, ...]:
@@ -104,7 +131,7 @@ def remember(memory: Iterable[Crash], crashes: Iterable[Crash]) -> tuple[Crash, 
         if before is None:
             last[crash.rank] = replace(crash, rounds=1)
         elif before.round < crash.round:
-            repeats = (before.round, before.error) == (crash.round - 1, crash.error)
+            repeats = crash.repeats(before)
             last[crash.rank] = replace(crash, rounds=before.rounds + 1 if repeats else 1)
     newest = max((c.round for c in last.values()), default=0)
     return tuple(sorted((c for c in last.values() if c.round >= newest - 1), key=_rank))
@@ -146,6 +173,9 @@ class Situation:
     """Nodes the pre-flight check asked replacements for."""
     crashes: tuple[Crash, ...] = ()
     """Each rank's last crash before any step (:func:`remember`), this fault's not yet."""
+    stepped: bool = False
+    """Some round of the job reported a step: a failure in a round without one is known to
+    have come before any step. Without any, the job may just not report steps."""
 
 
 @dataclass(frozen=True)
@@ -234,16 +264,17 @@ def _crash_loop(rules: Rules, now: Situation, fault: NodeFault) -> Decision | No
         return None
     ranks = {c.rank for c in fault.crashes}
     counted = [c for c in remember(now.crashes, fault.crashes) if c.rank in ranks]
-    looping = [c for c in counted if c.rounds >= rules.crash_loop_rounds]
+    looping = [c for c in counted if c.rounds >= rules.crash_loop_rounds and not c.killed]
     if not looping:
         return None
     crash = looping[0]
+    when = "before any step" if now.stepped else "before any step was reported (it reports none)"
     what = f"rank {crash.rank} failed with {crash.error!r}"
     if crash.rounds > 1:
         times = "twice" if crash.rounds == 2 else f"{crash.rounds} times"
-        what += f" {times}, in {crash.rounds} consecutive rounds, each time before any step"
+        what += f" {times}, in {crash.rounds} consecutive rounds, each time {when}"
     else:
-        what += " before any step"
+        what += f" {when}"
     return Decision(
         Act.STOP,
         f"stop: crash loop (diagnosis.crash_loop_rounds: {rules.crash_loop_rounds})",

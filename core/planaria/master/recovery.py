@@ -49,6 +49,11 @@ class Restartable(Protocol):
     @property
     def stopping(self) -> bool: ...
 
+    @property
+    def steps_known(self) -> bool:
+        """The job has reported a step (its first one is known)."""
+        ...
+
     def open_round(self) -> int:
         """Dissolve the running world (if any) and start forming the next round."""
         ...
@@ -113,6 +118,7 @@ class Recovery:
             nodes_left=self.fleet.alive(but=but) + self.fleet.replacing(),
             preflight_replaced=self.preflight_replaced,
             crashes=self.crashes,
+            stepped=self.job.steps_known or bool(self._stepped),
         )
 
     def report(
