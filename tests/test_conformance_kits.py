@@ -79,6 +79,8 @@ def test_the_health_check_kit(run_kit: Callable[..., PytestRun]) -> None:
         },
         "TestIgnoresCancel": {"test_its_own_hang_ends_when_cancelled"},
         "TestBoolMetrics": {"test_devices_and_metrics"},
+        "TestDegradedSaysNotWhy": {"test_degraded_with_reasons"},
+        "TestDegradedAsFailed": {"test_degraded_with_reasons"},
         "TestCrashesWithoutDriver": {
             "test_not_applicable_is_said_not_raised",
             "test_devices_and_metrics",

@@ -130,3 +130,49 @@ def test_a_join_rides_out_a_short_master_outage():
     assert reply.state == "ready" and reply.info == info
     assert reply.directives.restart_count == 0 and reply.directives.restore == "storage"
     assert [r.node_id for r in seen] == ["node-0"]
+
+
+def test_a_plugin_tests_its_option_errors_with_the_public_api_alone():
+    """``ConfigError`` (and its ``ConfigIssue``s) come from ``planaria.plugin``, and
+    ``planaria.testing.validate_options`` reads a plugin's options as a config file's are."""
+    from pydantic import BaseModel, ConfigDict, model_validator
+
+    import planaria.testing
+    from planaria.plugin import (
+        CheckContext,
+        ConfigError,
+        ConfigIssue,
+        DeviceResult,
+        HealthCheck,
+        HealthCheckRecord,
+    )
+
+    class ChipOptions(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        max_temp: int = 80
+        warm_temp: int = 70
+
+        @model_validator(mode="after")
+        def _ordered(self) -> ChipOptions:
+            if self.warm_temp > self.max_temp:
+                raise ValueError(f"warm_temp ({self.warm_temp}) must not exceed max_temp")
+            return self
+
+    class Chip(HealthCheck[ChipOptions]):
+        def run(self) -> list[DeviceResult]:
+            return []
+
+    record = HealthCheckRecord(name="chip", factory=Chip, options=ChipOptions, summary="a chip")
+    assert {"ConfigError", "ConfigIssue"} <= set(planaria.plugin.__all__)
+    assert {"ConfigError", "validate_options"} <= set(planaria.testing.__all__)
+    assert planaria.testing.ConfigError is ConfigError
+    at = "diagnosis.checks[0].options"
+    with pytest.raises(ConfigError) as caught:
+        planaria.testing.validate_options(record, {"max_temp": "hot", "max_tmp": 1}, path=at)
+    assert [issue.path for issue in caught.value.issues] == [f"{at}.max_temp", f"{at}.max_tmp"]
+    assert all(isinstance(issue, ConfigIssue) for issue in caught.value.issues)
+    assert "unknown key; ChipOptions takes: max_temp, warm_temp" in str(caught.value)
+    with pytest.raises(ConfigError, match=r"options: warm_temp \(90\) must not exceed max_temp"):
+        planaria.testing.validate_options(record, {"warm_temp": 90})
+    options = planaria.testing.validate_options(record, {"max_temp": 90})
+    assert Chip(options, CheckContext(node="n", workdir=".")).options.max_temp == 90

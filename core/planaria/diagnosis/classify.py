@@ -29,6 +29,7 @@ from planaria.fault_pattern.api import (
     first_match,
 )
 from planaria.fault_pattern.builtin import BUILTIN_PATTERNS
+from planaria.moved import forward
 
 _TRACEBACK = re.compile(r"^Traceback \(most recent call last\):", re.MULTILINE)
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*)(?:Error|Exception|Fault|Interrupt|Exit)\b.*$")
@@ -92,3 +93,12 @@ def _signame(number: int) -> str:
         return _signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
+
+
+_MOVED = {"planaria.fault_pattern.api": ("FaultKind", "match")}
+
+
+def __getattr__(name: str) -> object:
+    """What lived here before ``planaria.fault_pattern.api`` and is no longer used here
+    (deprecated)."""
+    return forward(__name__, _MOVED, name)

@@ -6,8 +6,8 @@
 
 Each name lives in its kind's ``api`` module (``planaria.health.api``, ``planaria.scheduler.api``,
 ``planaria.storage.api``, ``planaria.node_benchmark.api``, ``planaria.fault_pattern.api``; the
-errors a plugin raises from ``planaria.errors``); this
-module hands them out on first use, so that importing the markers loads no kind at all.
+errors a plugin raises, and the ``ConfigError`` its bad options are, from ``planaria.errors``);
+this module hands them out on first use, so that importing the markers loads no kind at all.
 """
 
 from __future__ import annotations
@@ -59,7 +59,14 @@ _HOME = {
         "match",
     ),
     "planaria.events": ("EventKind", "JobEvent"),
-    "planaria.errors": ("HealthCheckError", "PlanariaError", "SchedulerError", "StorageError"),
+    "planaria.errors": (
+        "ConfigError",
+        "ConfigIssue",
+        "HealthCheckError",
+        "PlanariaError",
+        "SchedulerError",
+        "StorageError",
+    ),
 }
 _MODULE_OF = {name: module for module, names in _HOME.items() for name in names}
 
@@ -73,6 +80,8 @@ __all__ = [
     "CheckpointStorage",
     "CheckpointStorageRecord",
     "Classification",
+    "ConfigError",
+    "ConfigIssue",
     "DeviceResult",
     "EventKind",
     "FaultClass",
@@ -122,7 +131,14 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from planaria.errors import HealthCheckError, PlanariaError, SchedulerError, StorageError
+    from planaria.errors import (
+        ConfigError,
+        ConfigIssue,
+        HealthCheckError,
+        PlanariaError,
+        SchedulerError,
+        StorageError,
+    )
     from planaria.events import EventKind, JobEvent
     from planaria.fault_pattern.api import (
         Classification,

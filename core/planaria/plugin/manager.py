@@ -148,12 +148,7 @@ class PluginManager:
         record = self.resolve(kind, spec["backend"])
         options = spec.get("options")
         if not isinstance(options, record.options):
-            try:
-                options = record.options.model_validate(options or {})
-            except ValidationError as exc:
-                raise PluginOptionsError(
-                    [_option_issue(f"{path}.options", e, record.options) for e in exc.errors()]
-                ) from None
+            options = validate_options(record, options or {}, path=f"{path}.options")
         return record, options
 
     def build(
@@ -413,6 +408,18 @@ class PluginManager:
                     event_kind=event.kind.value,
                     error=_one_line_exception(exc),
                 )
+
+
+def validate_options(record: PluginRecord, options: Any, *, path: str = "options") -> BaseModel:
+    """``options`` validated by ``record``'s Options model, as planaria reads them from a
+    config: a :class:`PluginOptionsError` (a :class:`~planaria.errors.ConfigError`) names every
+    problem under ``path`` (``diagnosis.checks[0].options.max_temp: ...``)."""
+    try:
+        return record.options.model_validate(options)
+    except ValidationError as exc:
+        raise PluginOptionsError(
+            [_option_issue(path, e, record.options) for e in exc.errors()]
+        ) from None
 
 
 def _option_issue(at: str, error: Any, model: type[BaseModel]) -> ConfigIssue:

@@ -17,6 +17,8 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
+from planaria.moved import forward
+
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
@@ -93,3 +95,16 @@ class PluginRecord(BaseModel):
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind.value, "name": self.name, "summary": self.summary}
+
+
+_MOVED = {
+    "planaria.health.api": ("HealthCheckRecord",),
+    "planaria.scheduler.api": ("SchedulerRecord",),
+    "planaria.storage.api": ("CheckpointStorageRecord",),
+    "planaria.node_benchmark.api": ("NodeBenchmarkRecord",),
+}
+
+
+def __getattr__(name: str) -> object:
+    """The kinds' records that lived here before their kind's ``api`` module (deprecated)."""
+    return forward(__name__, _MOVED, name)

@@ -1,5 +1,9 @@
-"""Test helpers for plugin authors: conformance suites that every implementation must pass."""
+"""Test helpers for plugin authors: conformance suites that every implementation must pass, and
+:func:`validate_options`, a plugin's options read as planaria reads them from a config (its
+errors a :class:`~planaria.errors.ConfigError`, also exported here, naming each problem)."""
 
+from planaria.errors import ConfigError
+from planaria.plugin.manager import validate_options
 from planaria.testing.fault_pattern import (
     ORDINARY_LOG_LINES,
     FaultPatternConformance,
@@ -16,6 +20,7 @@ __all__ = [
     "ORDINARY_LOG_LINES",
     "CheckCase",
     "Cluster",
+    "ConfigError",
     "FaultPatternConformance",
     "HealthCheckConformance",
     "NodeBenchmarkConformance",
@@ -26,4 +31,5 @@ __all__ = [
     "assert_nothing_left",
     "assert_unclassified",
     "build_storage",
+    "validate_options",
 ]

@@ -16,6 +16,10 @@ give it:
     check needs what no config can say (a recorded driver answer), a factory. A fixture can
     arrange the node first (a fake tool on ``PATH`` with ``monkeypatch``). A check that cannot
     produce one of the cases says so with a flag: ``can_be_unhealthy = False`` and so on.
+``degraded`` (fixture, with ``can_be_degraded = True``)
+    a case in which the check finds the node usable but impaired (a throttled clock, a warm
+    chip): the verdict must be ``degraded``, each degraded device saying why, and the node
+    still healthy enough to train.
 ``hanging`` (fixture, with ``can_hang = True``)
     a case in which the check's own :meth:`~planaria.health.api.HealthCheck.run` blocks (a tool
     that never answers); its :meth:`~planaria.health.api.HealthCheck.cancel` must end it.
@@ -153,6 +157,8 @@ class HealthCheckConformance:
     can_be_unhealthy: ClassVar[bool] = True
     can_be_not_applicable: ClassVar[bool] = True
     """``False`` for a check whose subject is always there (the host's disk and memory)."""
+    can_be_degraded: ClassVar[bool] = False
+    """``True`` when the check has a ``degraded`` verdict (and a ``degraded`` case for it)."""
     can_hang: ClassVar[bool] = False
     """``True`` when the check waits on something that can hang (a tool, a driver call)."""
     can_be_undecidable: ClassVar[bool] = False
@@ -194,6 +200,11 @@ class HealthCheckConformance:
     def not_applicable(self) -> CheckCase:
         _missing("not_applicable", "the hardware or its driver is missing",
                  "can_be_not_applicable = False")  # fmt: skip
+
+    @pytest.fixture
+    def degraded(self) -> CheckCase:
+        _missing("degraded", "the check finds the node usable but impaired",
+                 "can_be_degraded = False")  # fmt: skip
 
     @pytest.fixture
     def hanging(self) -> CheckCase:
@@ -238,8 +249,13 @@ class HealthCheckConformance:
 
     def verdict_cases(self) -> list[str]:
         """The names of the case fixtures this check declares it has."""
-        flags = (self.can_be_healthy, self.can_be_unhealthy, self.can_be_not_applicable)
-        names = ("healthy", "unhealthy", "not_applicable")
+        flags = (
+            self.can_be_healthy,
+            self.can_be_unhealthy,
+            self.can_be_not_applicable,
+            self.can_be_degraded,
+        )
+        names = ("healthy", "unhealthy", "not_applicable", "degraded")
         return [name for flag, name in zip(flags, names, strict=True) if flag]
 
     def _run_named(
@@ -298,6 +314,18 @@ class HealthCheckConformance:
             "every failed device says why in its detail: " + _describe(result)
         )
         assert not result.status.healthy
+
+    def test_degraded_with_reasons(
+        self, record: HealthCheckRecord, request: pytest.FixtureRequest, check_context: CheckContext
+    ) -> None:
+        result = self._run_named(self.can_be_degraded, "degraded", record, request, check_context)
+        assert result.error is None, f"the degraded case is an error: {result.error}"
+        assert result.status is Status.DEGRADED, _describe(result)
+        degraded = [d for d in result.devices if d.status is Status.DEGRADED]
+        assert degraded and all(d.detail.strip() for d in degraded), (
+            "every degraded device says why in its detail: " + _describe(result)
+        )
+        assert result.status.healthy, "a degraded node still trains"
 
     def test_not_applicable_is_said_not_raised(
         self, record: HealthCheckRecord, request: pytest.FixtureRequest, check_context: CheckContext

@@ -16,6 +16,7 @@ from planaria.testing import CheckCase, HealthCheckConformance
 class TestLoadavg(HealthCheckConformance):
     check_name = "loadavg"
     can_be_undecidable = True
+    can_be_degraded = True
 
     @pytest.fixture
     def healthy(self) -> CheckCase:
@@ -26,6 +27,12 @@ class TestLoadavg(HealthCheckConformance):
         if os.getloadavg()[0] == 0.0:
             pytest.skip("the 1-minute load average is exactly 0 on this machine")
         return CheckCase({"max_load_per_cpu": 1e-9, "degraded_load_per_cpu": 1e-9})
+
+    @pytest.fixture
+    def degraded(self) -> CheckCase:
+        if os.getloadavg()[0] == 0.0:
+            pytest.skip("the 1-minute load average is exactly 0 on this machine")
+        return CheckCase({"max_load_per_cpu": 1000, "degraded_load_per_cpu": 1e-9})
 
     @pytest.fixture
     def not_applicable(self, monkeypatch: pytest.MonkeyPatch) -> CheckCase:

@@ -12,6 +12,7 @@ class TestCustomScript(HealthCheckConformance):
     check_name = "custom_script"
     can_hang = True
     can_be_undecidable = True
+    can_be_degraded = True
 
     @pytest.fixture
     def healthy(self, make_script: MakeScript) -> CheckCase:
@@ -28,6 +29,11 @@ exit 1
 """
         )
         return CheckCase({"path": str(script)})
+
+    @pytest.fixture
+    def degraded(self, make_script: MakeScript) -> CheckCase:
+        line = '{"device": "chip0", "status": "degraded", "detail": "clock throttled to 60%"}'
+        return CheckCase({"path": str(make_script(f"echo '{line}'"))})
 
     @pytest.fixture
     def not_applicable(self, make_script: MakeScript) -> CheckCase:
