@@ -16,6 +16,7 @@ from pytest_runs import run_pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 GUIDE = ROOT / "docs" / "writing-a-plugin.md"
+LOADAVG = ROOT / "examples" / "outside-plugin" / "src"
 BLOCK = re.compile(r"<!-- (test: |the file )(\S+) -->\n```python\n(.*?)```", re.DOTALL)
 
 
@@ -38,13 +39,17 @@ def test_every_kit_example_passes(tmp_path: Path) -> None:
         "test_kit_node_benchmark.py",
         "test_kit_fault_patterns.py",
         "test_kit_storage.py",
+        "test_loadavg_in_process.py",
     }
     for name, code in examples.items():
         (tmp_path / name).write_text(code)
     env = {k: v for k, v in os.environ.items() if k != "PLANARIA_DISABLE_PLUGINS"}
+    # The in-process example imports the example plugin's module; nothing installs it.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(LOADAVG), env.get("PYTHONPATH")]))
     run = run_pytest(tmp_path, env, tmp_path, "-q")
     assert run.returncode == 0, run.output
     assert not run.named("skipped"), run.messages
+    assert len([t for t in run.named("passed") if t.startswith("test_loadavg_in_process")]) == 3
     classes = {test.split("::")[0] for test in run.named("passed")}
     assert {
         "TestLocalScheduler",

@@ -1,4 +1,5 @@
-"""Test helpers for plugin authors: conformance suites that every implementation must pass, and
+"""Test helpers for plugin authors: conformance suites that every implementation must pass;
+:func:`run_check`, one case of a health check run as ``planaria check`` runs it; and
 :func:`validate_options`, a plugin's options read as planaria reads them from a config (its
 errors a :class:`~planaria.errors.ConfigError`, also exported here, naming each problem)."""
 
@@ -10,7 +11,7 @@ from planaria.testing.fault_pattern import (
     assert_classifies,
     assert_unclassified,
 )
-from planaria.testing.health import CheckCase, HealthCheckConformance
+from planaria.testing.health import CheckCase, HealthCheckConformance, run_check
 from planaria.testing.leftovers import assert_nothing_left
 from planaria.testing.node_benchmark import NodeBenchmarkConformance
 from planaria.testing.scheduler import Cluster, SchedulerConformance
@@ -31,5 +32,6 @@ __all__ = [
     "assert_nothing_left",
     "assert_unclassified",
     "build_storage",
+    "run_check",
     "validate_options",
 ]

@@ -27,6 +27,8 @@ give it:
     a case in which the check cannot reach a verdict (a tool's output it cannot read): it must
     raise :class:`~planaria.errors.HealthCheckError` with its own message, not crash.
 
+:func:`run_check` runs one case outside the suite, for a plugin's own tests of its verdicts.
+
 Example::
 
     class TestLoadavg(HealthCheckConformance):
@@ -64,7 +66,7 @@ from planaria.health.api import (
     Status,
 )
 from planaria.health.runner import ConfiguredCheck, run_checks
-from planaria.plugin.manager import PluginManager
+from planaria.plugin.manager import PluginManager, validate_options
 from planaria.plugin.records import PluginKind, normalize_name
 
 AnyCheck = HealthCheck[Any]
@@ -129,6 +131,21 @@ def _wrapped(
     return HealthCheckRecord(
         name=record.name, factory=Wrapped, options=record.options, summary=record.summary
     )
+
+
+def run_check(
+    record: HealthCheckRecord, case: CheckCase, context: CheckContext, timeout: float = 60.0
+) -> CheckResult:
+    """Run one case of ``record``'s check through planaria's runner (its thread, its
+    ``timeout``), as ``planaria check`` does, for a plugin's own tests of a verdict or a detail.
+    Options that do not validate are the :class:`~planaria.errors.ConfigError` a config file's
+    would be."""
+    options = validate_options(record, dict(case.options))
+    if case.factory is not None:
+        record = _wrapped(record, case, _Probe())
+    configured = ConfiguredCheck(record.name, record, options, timeout)
+    (result,) = run_checks([configured], context).checks
+    return result
 
 
 def _raise_after_run(inner: AnyCheck, probe: _Probe) -> list[DeviceResult]:
@@ -232,7 +249,8 @@ class HealthCheckConformance:
         context: CheckContext,
         timeout: float | None = None,
     ) -> CheckResult:
-        """Run one case through the runner and return its result."""
+        """Run one case through the runner and return its result (:func:`run_check`, with the
+        suite's timeout; options that do not validate fail the test)."""
         if case.factory is not None:
             record = _wrapped(record, case, _Probe())
         (result,) = run_checks([self._configured(record, case, timeout)], context).checks
