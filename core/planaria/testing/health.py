@@ -270,10 +270,10 @@ class HealthCheckConformance:
         flags = (
             self.can_be_healthy,
             self.can_be_unhealthy,
-            self.can_be_not_applicable,
             self.can_be_degraded,
+            self.can_be_not_applicable,
         )
-        names = ("healthy", "unhealthy", "not_applicable", "degraded")
+        names = ("healthy", "unhealthy", "degraded", "not_applicable")
         return [name for flag, name in zip(flags, names, strict=True) if flag]
 
     def _run_named(
