@@ -381,7 +381,8 @@ class DiagnosisSection(Section):
         default=2,
         ge=0,
         description="stop when a rank fails with the same error before any step in this many "
-        "consecutive rounds (a crash loop); 0: restart until max_restarts is spent",
+        "consecutive rounds (a crash loop; a kill from outside is no error); 0: restart until "
+        "max_restarts is spent",
     )
 
     @model_validator(mode="after")

@@ -150,8 +150,8 @@ class Rules:
     max_nodes: int
     on_user_error: Literal["restart", "stop"] = "restart"
     crash_loop_rounds: int = 2
-    """Stop when a rank fails the same way before any step in this many consecutive rounds;
-    0: never."""
+    """Stop when a rank fails with the same error of its own before any step in this many
+    consecutive rounds; 0: never."""
     replace_stragglers: bool = False
     preflight_replace_stragglers: bool = False
     preflight_only: bool = False
