@@ -83,13 +83,14 @@ def test_a_half_made_pair_is_made_anew_and_a_readable_key_refused(tmp_path):
 # --------------------------------------------------------------------------- a live TLS server
 
 
-async def with_tls_master(tmp_path: Path, body) -> None:
-    """A master serving TLS on loopback whose one node never calls back:
-    ``body(port, fingerprint)`` plays the agents."""
-    certificate = job_certificate(tmp_path, ["127.0.0.1"])
+async def with_tls_master(tmp_path: Path, body, host: str = "127.0.0.1") -> None:
+    """A master serving TLS on ``host`` (loopback, by default) whose one node never calls
+    back: ``body(port, fingerprint)`` plays the agents. Its certificate names ``host``, as the
+    runner's does when nothing is advertised."""
+    certificate = job_certificate(tmp_path, [host])
     master = Master(settings(tmp_path, nodes=1), LocalScheduler(LocalOptions()), tmp_path)
     app = make_app(master, TOKEN, hold=0.2)
-    runner, port = await serve(app, "127.0.0.1", 0, server_context(certificate))
+    runner, port = await serve(app, host, 0, server_context(certificate))
     idle = LaunchSpec(job="api", command=(sys.executable, "-c", "import time; time.sleep(60)"))
     job_ = asyncio.ensure_future(supervise(master, idle))
     try:
@@ -175,6 +176,53 @@ def test_an_https_master_needs_a_fingerprint_and_http_takes_none():
             MasterClient("http://127.0.0.1:1", TOKEN, fingerprint="ab" * 32)
 
     asyncio.run(body())
+
+
+async def _status(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "planaria", "status", *args,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+def test_status_pins_the_run_s_certificate_of_a_master_bound_to_every_interface(tmp_path):
+    """The certificate of a master bound to 0.0.0.0 names only the machine: ``planaria status``
+    trusts it by its fingerprint, as agents do, by whatever address it asks; another
+    certificate is refused before the token is sent."""
+
+    async def body(port, fingerprint):
+        (tmp_path / "token").write_text(TOKEN)
+        for address in ("127.0.0.1", "localhost", "0.0.0.0"):
+            url = f"https://{address}:{port}"
+            rc, out, err = await _status(str(tmp_path), "--master", url, "--json")
+            assert rc == 0, err
+            assert json.loads(out)["job"] == "api"
+        # Without the run directory, the fingerprint comes from where agents take it.
+        url = f"https://127.0.0.1:{port}"
+        env = {"PLANARIA_TOKEN": TOKEN, FINGERPRINT_ENV: fingerprint.upper()}
+        rc, out, err = await _status("--master", url, "--json", env=env)
+        assert rc == 0, err
+        # Another job's certificate in the run directory: this master is not its job's.
+        other = tmp_path / "other"
+        other.mkdir()
+        (other / "events.jsonl").write_text("")
+        (other / "token").write_text(TOKEN)
+        theirs = job_certificate(other, ["127.0.0.1"]).fingerprint
+        rc, out, err = await _status(str(other), "--master", url)
+        assert rc == 2, out + err
+        assert f"the server at {url} is not this job's master" in err
+        assert f"its certificate's SHA-256 is {fingerprint[:16]}..." in err
+        assert f"the job's is {theirs[:16]}..." in err
+        assert "Traceback" not in err
+        rc, out, err = await _status("--master", url, env={**env, FINGERPRINT_ENV: "ab" * 32})
+        assert rc == 2 and "is not this job's master" in err and FINGERPRINT_ENV in err, err
+        rc, out, err = await _status("--master", url, env={**env, FINGERPRINT_ENV: ""})
+        assert rc == 2 and f"the SHA-256 fingerprint of its certificate in {FINGERPRINT_ENV}" in err
+
+    asyncio.run(with_tls_master(tmp_path, body, host="0.0.0.0"))
 
 
 # --------------------------------------------------------------------------- real jobs

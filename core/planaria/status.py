@@ -2,20 +2,23 @@
 (``GET /v1/status`` with the job's token), read from its run directory once it is over.
 
 The run directory says where its master listens (the journal's ``server`` entry), holds the
-token (``token``, 0600) and the certificate to verify an HTTPS master by (``tls/cert.pem``).
+token (``token``, 0600) and the certificate an HTTPS master must show (``tls/cert.pem``, pinned
+by its fingerprint as agents pin it: the master may be bound to every interface, asked by any
+of its addresses).
 A master that does not answer there is gone: the journal then tells the job's last state, and
 the timeline each node's last step.
 """
 
 from __future__ import annotations
 
+import hmac
+import http.client
 import os
 import ssl
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
@@ -25,8 +28,14 @@ from planaria.events import EventKind, JobEvent
 from planaria.master.journal import Journal, JournalError
 from planaria.master.runner import TOKEN_FILE
 from planaria.master.state import JobState
-from planaria.master.tls import CERT_NAME
-from planaria.protocol import API_PREFIX, TOKEN_ENV, JobStatus, NodeStatus
+from planaria.master.tls import (
+    CERT_NAME,
+    CertificateError,
+    peer_fingerprint,
+    pinning_context,
+    recorded_fingerprint,
+)
+from planaria.protocol import API_PREFIX, FINGERPRINT_ENV, TOKEN_ENV, JobStatus, NodeStatus
 
 TIMEOUT = 5.0
 RECENT = 10
@@ -103,34 +112,79 @@ def token_of(run_dir: Path) -> str:
 
 
 def ask(url: str, token: str, run_dir: Path | None) -> JobStatus:
-    """``GET /v1/status`` of the master at ``url``. Raises :class:`MasterGone` when nothing
-    answers there, :class:`StatusError` for any other failure."""
-    context = None
-    if url.startswith("https://"):
-        if run_dir is None:
-            raise StatusError(
-                f"{url} is HTTPS: give the run directory, whose tls/{CERT_NAME} verifies it"
-            )
-        context = ssl.create_default_context(cafile=str(run_dir / "tls" / CERT_NAME))
-    request = urllib.request.Request(
-        f"{url.rstrip('/')}{API_PREFIX}/status", headers={"Authorization": f"Bearer {token}"}
-    )
+    """``GET /v1/status`` of the master at ``url``. An HTTPS master must show the job's
+    certificate: the one in ``run_dir/tls/`` (else the fingerprint in ``PLANARIA_MASTER_
+    FINGERPRINT``), pinned by its fingerprint as agents pin it, whatever address is asked.
+    Raises :class:`MasterGone` when nothing answers there, :class:`StatusError` for any other
+    failure."""
+    parsed = urlsplit(url)
+    pin = _pin(url, run_dir) if parsed.scheme == "https" else None
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise StatusError(f"the master's URL {url!r} is neither http://HOST:PORT nor https://")
     try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT, context=context) as reply:
-            body = reply.read()
-    except urllib.error.HTTPError as exc:
-        raise StatusError(f"the master at {url} answered {exc.code}: {exc.reason}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        if isinstance(reason, ssl.SSLError):
-            raise StatusError(f"cannot verify the master at {url}: {reason}") from None
-        if isinstance(reason, TimeoutError):  # there, but busy or stopped: not gone
-            raise StatusError(f"the master at {url} did not answer within {TIMEOUT:g}s") from None
-        raise MasterGone(f"no master answers at {url}: {reason}") from None
+        port = parsed.port
+    except ValueError:
+        raise StatusError(f"the master's URL {url!r} has no valid port") from None
+    connection: http.client.HTTPConnection
+    if pin is None:
+        connection = http.client.HTTPConnection(parsed.hostname, port, timeout=TIMEOUT)
+    else:
+        connection = http.client.HTTPSConnection(
+            parsed.hostname, port, timeout=TIMEOUT, context=pinning_context()
+        )
+    path = f"{parsed.path.rstrip('/')}{API_PREFIX}/status"
+    try:
+        connection.connect()
+        if pin is not None:
+            assert isinstance(connection.sock, ssl.SSLSocket)
+            _check_pin(url, run_dir, pin, peer_fingerprint(connection.sock))
+        connection.request("GET", path, headers={"Authorization": f"Bearer {token}"})
+        reply = connection.getresponse()
+        body = reply.read()
+    except ssl.SSLError as exc:
+        raise StatusError(f"cannot speak TLS with the master at {url}: {exc}") from None
+    except TimeoutError:  # there, but busy or stopped: not gone
+        raise StatusError(f"the master at {url} did not answer within {TIMEOUT:g}s") from None
+    except (OSError, http.client.HTTPException) as exc:
+        raise MasterGone(f"no master answers at {url}: {exc}") from None
+    finally:
+        connection.close()
+    if reply.status != 200:
+        raise StatusError(f"the master at {url} answered {reply.status}: {reply.reason}")
     try:
         return JobStatus.model_validate_json(body)
     except ValidationError as exc:
         raise StatusError(f"the master at {url} answered no job status: {exc}") from None
+
+
+def _pin(url: str, run_dir: Path | None) -> str:
+    """The fingerprint an HTTPS master at ``url`` must show: the run directory's, else the
+    one in the environment (as an agent's)."""
+    if run_dir is not None:
+        try:
+            return recorded_fingerprint(run_dir)
+        except CertificateError as exc:
+            raise StatusError(f"{url} is HTTPS, and {exc}") from None
+    given = os.environ.get(FINGERPRINT_ENV, "").strip().lower()
+    if not given:
+        raise StatusError(
+            f"{url} is HTTPS: give the run directory, whose tls/{CERT_NAME} it must show, or "
+            f"the SHA-256 fingerprint of its certificate in {FINGERPRINT_ENV}"
+        )
+    if len(given) != 64 or any(c not in "0123456789abcdef" for c in given):
+        raise StatusError(
+            f"{FINGERPRINT_ENV} must be the 64 hex digits of a SHA-256, got {len(given)} characters"
+        )
+    return given
+
+
+def _check_pin(url: str, run_dir: Path | None, expected: str, got: str) -> None:
+    if not hmac.compare_digest(expected, got):
+        whose = FINGERPRINT_ENV if run_dir is None else str(run_dir / "tls" / CERT_NAME)
+        raise StatusError(
+            f"the server at {url} is not this job's master: its certificate's SHA-256 is "
+            f"{got[:16]}..., the job's is {expected[:16]}... ({whose}); nothing was sent to it"
+        )
 
 
 def ended(run_dir: Path, events: list[JobEvent]) -> JobStatus:

@@ -77,6 +77,42 @@ def job_certificate(run_dir: Path, names: list[str]) -> JobCertificate:
     )
 
 
+def recorded_fingerprint(run_dir: Path) -> str:
+    """The fingerprint of the certificate in ``run_dir/tls/``: what a client of the job's
+    master other than its agents (``planaria status``) pins, as they do. The master may be
+    bound to every interface and asked by any of its addresses, which no name in the
+    certificate could all cover."""
+    path = run_dir / "tls" / CERT_NAME
+    try:
+        cert = x509.load_pem_x509_certificate(path.read_bytes())
+    except OSError as exc:
+        raise CertificateError(
+            f"cannot read the job's certificate {path}: {exc.strerror or exc}"
+        ) from None
+    except ValueError as exc:
+        raise CertificateError(f"the job's certificate {path} is damaged: {exc}") from None
+    return fingerprint_of(cert.public_bytes(serialization.Encoding.DER))
+
+
+def pinning_context() -> ssl.SSLContext:
+    """What a client that pins the job's certificate connects with: TLS 1.2 or later, no
+    name or authority checked, since :func:`peer_fingerprint` is checked instead, before
+    anything (the token) is sent."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+def peer_fingerprint(sock: ssl.SSLSocket) -> str:
+    """The fingerprint of the certificate the server at the other end of ``sock`` showed."""
+    der = sock.getpeercert(binary_form=True)
+    if der is None:
+        raise CertificateError("the server showed no certificate")
+    return fingerprint_of(der)
+
+
 def server_context(cert: JobCertificate) -> ssl.SSLContext:
     """What the master serves its API with: TLS 1.2 or later, the job's certificate."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

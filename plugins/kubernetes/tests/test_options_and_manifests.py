@@ -3,17 +3,20 @@ the manifests ``planaria kubernetes manifest`` prints, checked against them agai
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from planaria.scheduler.api import LaunchSpec
 from planaria_kubernetes import KubernetesOptions, pods
-from planaria_kubernetes.manifest import check
+from planaria_kubernetes.manifest import check, cluster_name, manifests
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "kubernetes.yaml"
@@ -112,3 +115,35 @@ def test_the_manifest_of_a_job_for_another_scheduler_is_refused(tmp_path: Path) 
     done = manifest(str(ROOT / "examples" / "local.yaml"))
     assert done.returncode == 2
     assert "scheduler.backend: is 'local'" in done.stderr
+
+
+DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+JOB_NAME = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")  # job.name's own pattern
+NAMESPACE = st.from_regex(DNS_LABEL.pattern.replace("^", r"\A").replace("$", r"\Z")) | st.text(
+    min_size=1, max_size=80
+)
+
+
+def _cluster_names(namespace: str, job: str) -> set[str]:
+    objects = manifests(job, "{}", KubernetesOptions(image="x", namespace=namespace))
+    raw = [pods.as_dict(o) for o in objects]
+    return {o["metadata"]["name"] for o in raw if o["kind"].startswith("Cluster")}
+
+
+def test_jobs_of_two_namespaces_whose_names_join_alike_get_their_own_cluster_role() -> None:
+    first = _cluster_names("team-a", "train")
+    second = _cluster_names("team", "a-train")
+    assert len(first) == len(second) == 1
+    assert first != second
+    assert first.pop().startswith("planaria-team-a-train-nodes-")
+
+
+@given(st.tuples(NAMESPACE, JOB_NAME), st.tuples(NAMESPACE, JOB_NAME))
+def test_cluster_wide_names_are_valid_and_one_per_namespace_and_job(
+    one: tuple[str, str], other: tuple[str, str]
+) -> None:
+    names = {cluster_name(*one), cluster_name(*other)}
+    assert len(names) == (1 if one == other else 2)
+    for name in names:
+        assert DNS_LABEL.match(name), name
+    assert _cluster_names(*one) == {cluster_name(*one)}

@@ -41,7 +41,6 @@ def test_dry_run_prints_the_batch_script(tmp_path: Path) -> None:
         "#SBATCH --job-name=slurm-e2e",
         "#SBATCH --nodes=6",  # 4 at most, 2 spares
         "#SBATCH --no-kill",
-        f"#SBATCH --chdir={tmp_path}",
         f"#SBATCH --output={tmp_path}/.planaria/slurm-%j.out",
         "#SBATCH --partition=debug",
         "#SBATCH --time=01:00:00",
@@ -53,7 +52,9 @@ def test_dry_run_prints_the_batch_script(tmp_path: Path) -> None:
         "#SBATCH --qos=high",
     ]:
         assert line + "\n" in script, f"{line!r} missing from:\n{script}"
-    last = script.strip().splitlines()[-1]
+    assert "--chdir" not in script  # sbatch runs where the submission is made
+    cd, last = script.strip().splitlines()[-2:]
+    assert cd == f"cd -- {tmp_path} || exit 1"
     assert last == (
         f"exec {sys.executable} -m planaria run {config} --set job.max_restarts=5 "
         f"--set scheduler.options.state_dir={tmp_path}/.planaria"

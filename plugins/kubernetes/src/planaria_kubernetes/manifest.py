@@ -15,6 +15,9 @@ serialised (:func:`planaria_kubernetes.options.model_errors`), as the API server
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 from typing import Any
 
 from planaria_kubernetes import pods
@@ -24,6 +27,16 @@ from planaria_kubernetes.options import KubernetesOptions, model_errors
 CONFIG_DIR = "/etc/planaria"
 CONFIG_FILE = "job.yaml"
 POD_IP_ENV = "PLANARIA_POD_IP"
+
+
+def cluster_name(namespace: str, job: str) -> str:
+    """The name of the job's ClusterRole and ClusterRoleBinding. They are cluster-wide, so the
+    name must tell every (namespace, job) pair apart, which joining the two cannot ('team-a' +
+    'train' and 'team' + 'a-train'): a hash of the pair ends it, after as much of the pair as
+    fits a DNS-1123 label, for a reader."""
+    digest = hashlib.sha256(json.dumps([namespace, job]).encode()).hexdigest()[:12]
+    readable = re.sub(r"[^a-z0-9-]+", "-", f"planaria-{namespace}-{job}".lower())
+    return f"{readable[: 63 - len(digest) - 7].strip('-')}-nodes-{digest}"
 
 
 def _rules(options: KubernetesOptions) -> tuple[list[Any], list[Any]]:
@@ -61,7 +74,7 @@ def manifests(
         )
 
     namespaced, cluster = _rules(options)
-    nodes_role = pods.dns_label(f"planaria-{namespace}-{job}-nodes")
+    nodes_role = cluster_name(namespace, job)
     account = client.V1ServiceAccount(api_version="v1", kind="ServiceAccount", metadata=meta(name))
     subject = client.RbacV1Subject(kind="ServiceAccount", name=name, namespace=namespace)
     role = client.V1Role(

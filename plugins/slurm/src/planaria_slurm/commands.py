@@ -13,6 +13,7 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from planaria import process
 from planaria.plugin import SchedulerError
@@ -41,10 +42,13 @@ def installed() -> bool:
     return shutil.which("srun") is not None and shutil.which("squeue") is not None
 
 
-def run(args: Sequence[str], *, timeout: float = TIMEOUT, check: bool = True) -> str:
-    """Run a Slurm command and return its stdout; :class:`SlurmCommandError` with its stderr
-    when it fails (``check``), :class:`SlurmMissingError` when it is not installed. Short-lived
-    and bounded by ``timeout``, so it needs no death signal; its group is killed on timeout."""
+def run(
+    args: Sequence[str], *, timeout: float = TIMEOUT, check: bool = True, cwd: Path | None = None
+) -> str:
+    """Run a Slurm command (in ``cwd``, or here) and return its stdout; :class:`SlurmCommandError`
+    with its stderr when it fails (``check``), :class:`SlurmMissingError` when it is not
+    installed. Short-lived and bounded by ``timeout``, so it needs no death signal; its group is
+    killed on timeout."""
     argv = list(args)
     try:
         proc = process.popen(
@@ -54,8 +58,11 @@ def run(args: Sequence[str], *, timeout: float = TIMEOUT, check: bool = True) ->
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            cwd=cwd,
         )
-    except FileNotFoundError:
+    except FileNotFoundError as exc:
+        if cwd is not None and exc.filename in (cwd, str(cwd)):
+            raise SchedulerError(f"cannot run {argv[0]} in {cwd}: it does not exist") from None
         raise SlurmMissingError(
             f"{argv[0]} not found: Slurm's client commands are not installed on this machine "
             "(or not on PATH); run planaria where sbatch and srun work"
