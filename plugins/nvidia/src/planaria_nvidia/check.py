@@ -416,13 +416,13 @@ class NvidiaCheck(HealthCheck[NvidiaOptions]):
             rates = probe.read(
                 "utilization", lambda: self.nvml.device_get_utilization_rates(handle)
             )
-            busy = rates is not None and rates.gpu > 0
+            busy = 0 if rates is None else int(rates.gpu)
             if rates is not None:
-                probe.metrics["utilization_gpu"] = float(rates.gpu)
+                probe.metrics["utilization_gpu"] = float(busy)
             if busy:
                 probe.problem(
                     Status.DEGRADED,
-                    f"PCIe link gen {gen} of {max_gen} while the GPU is busy ({rates.gpu}%)",
+                    f"PCIe link gen {gen} of {max_gen} while the GPU is busy ({busy}%)",
                 )
             else:
                 probe.notes.append(
