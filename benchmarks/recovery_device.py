@@ -108,10 +108,12 @@ def run_planaria(args: argparse.Namespace, work: Path, kill: str | None) -> Tria
             }
         )
     )
-    planaria = Path(sys.executable).parent / "planaria"
+    # -m, not the console scripts: with wheels installed by pip --target (benchmarks/gpu.sh)
+    # they are not beside the interpreter.
     started = time.time()
     try:
-        proc = run_group([str(planaria), "run", str(config)], work, dict(os.environ), args.timeout)
+        command = [sys.executable, "-m", "planaria", "run", str(config)]
+        proc = run_group(command, work, dict(os.environ), args.timeout)
         ok, note = proc.returncode == 0, proc.stdout[-300:] if proc.returncode else ""
     except subprocess.TimeoutExpired:
         ok, note = False, "timed out (hang)"
@@ -131,9 +133,8 @@ def run_torchrun(args: argparse.Namespace, work: Path, kill: str) -> Trial:
     env.pop("PLANARIA_PROGRESS_FILE", None)
     if kill == "between":
         env["PLANARIA_CHAOS"] = json.dumps([chaos_rule(args)])
-    torchrun = Path(sys.executable).parent / "torchrun"
     command = [
-        str(torchrun),
+        sys.executable, "-m", "torch.distributed.run",
         "--nnodes", "1", "--nproc-per-node", str(args.procs), "--max-restarts", "3",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
         *train_args(args, work, kill == "during"),
