@@ -294,7 +294,7 @@ def main() -> None:
         help="train_gpt.py model arguments with --device cuda (~1.4 GB of state)",
     )
     parser.add_argument(
-        "--kill-delay", type=float, default=0.002, help="device: seconds into the killed save"
+        "--kill-delay", type=float, default=0.005, help="device: seconds into the killed save"
     )
     parser.add_argument("--overhead-steps", type=int, default=60)
     parser.add_argument("--overhead-trials", type=int, default=5)

@@ -218,7 +218,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "attempt only), so the kill lands while the save is copying",
     )
     p.add_argument("--kill-rank", type=int, default=0)
-    p.add_argument("--kill-delay", type=float, default=0.002, help="seconds into the save")
+    p.add_argument("--kill-delay", type=float, default=0.005, help="seconds into the save")
     return p.parse_args(argv)
 
 
@@ -345,9 +345,10 @@ def train(
         # every --ckpt-every steps to storage too, in the background.
         persist = args.ckpt_every > 0 and (step + 1) % args.ckpt_every == 0
         if ckpt is not None:
+            state = {"model": model.state_dict(), "optim": optim.state_dict()}
             if step == args.kill_in_save:
-                kill_in_save(args, rank)
-            ckpt.save(step, {"model": model.state_dict(), "optim": optim.state_dict()}, persist)
+                kill_in_save(args, rank)  # armed last: it fires inside the save's copy
+            ckpt.save(step, state, persist)
         else:
             monitor.step(step)
 
