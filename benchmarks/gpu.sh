@@ -18,6 +18,9 @@
 #
 #   benchmarks/gpu_wheels.sh           # once, on a machine with an index: makes .whl/
 #   OUT=/some/dir benchmarks/gpu.sh    # on the GPU machine, from a checkout holding .whl/
+#
+# .whl/ is git-ignored (about 12 MB): whatever copies the checkout to the GPU machine must copy
+# it too.
 #   GPU_SH_DEVICE=cpu benchmarks/gpu.sh   # dry run without a GPU: the same parts, on CPU
 #
 # GPU_SH_DEVICE=cpu runs the benchmarks' --cpu-dry-run paths (the figures mean nothing), skips
