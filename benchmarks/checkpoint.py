@@ -47,6 +47,10 @@ killed and named, and the end looks once more for all of them (``left_behind`` i
 Run:  python benchmarks/checkpoint.py [--size-mib 1024] [--tensors 200] [--runs 5]
                                       [--threads N] [--dir PARENT] [--seed 0]
 (``--threads``: torch's intra-op threads, here and in the restarted worker; default torch's.)
+
+``--device cuda`` (or ``cuda:N``) benchmarks a state of device tensors instead (default 4 GiB)
+against the device's copy floors: see ``benchmarks/checkpoint_device.py``. ``--device cpu``
+(the default) is the benchmark described here.
 The last line printed is one JSON object: the ratios (planaria's time divided by the other's),
 whether each meets its target, the medians in seconds and the size.
 """
@@ -93,10 +97,13 @@ CHECKED = 4
 # -- the state -----------------------------------------------------------------------------------
 
 
-def make_state(size_mib: float, tensors: int, seed: int, fill: bool) -> dict[str, Any]:
+def make_state(
+    size_mib: float, tensors: int, seed: int, fill: bool, device: str = "cpu"
+) -> dict[str, Any]:
     """A model plus an Adam-like optimizer state of ``tensors`` float32 tensors in all, about
-    ``size_mib`` MiB. The shapes depend only on the arguments; values are random when ``fill``,
-    else zeros (a restarted worker's freshly built model: allocated and written)."""
+    ``size_mib`` MiB, on ``device``. The shapes depend only on the arguments; values are random
+    when ``fill`` (the same for the same seed and device), else zeros (a restarted worker's
+    freshly built model: allocated and written)."""
     if tensors < 3:
         raise SystemExit(
             f"--tensors must be at least 3 (a parameter and its two moments): {tensors}"
@@ -113,10 +120,10 @@ def make_state(size_mib: float, tensors: int, seed: int, fill: bool) -> dict[str
         for _ in range(params - big)
     ]
     total = sum(weights)
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(seed)
 
     def tensor(shape: tuple[int, ...]) -> torch.Tensor:
-        out = torch.empty(shape, dtype=torch.float32)
+        out = torch.empty(shape, dtype=torch.float32, device=device)
         if fill:
             out.uniform_(-1.0, 1.0, generator=generator)
         else:
@@ -530,9 +537,24 @@ def table(bench: Bench) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size-mib", type=float, default=1024.0, help="state size (MiB)")
+    parser.add_argument(
+        "--size-mib", type=float, default=None, help="state size (MiB; 1024, 4096 on a device)"
+    )
+    parser.add_argument(
+        "--device", default="cpu", help="where the state lives: cpu (default), cuda, cuda:N"
+    )
+    parser.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="with --device cuda: run the device benchmark on CPU tensors (checks the script)",
+    )
+    parser.add_argument("--steps", type=int, default=10, help="device: training steps per mode")
+    parser.add_argument("--step-matmuls", type=int, default=40, help="device: matmuls per step")
+    parser.add_argument("--step-size", type=int, default=8192, help="device: matmul size")
     parser.add_argument("--tensors", type=int, default=200, help="number of tensors in the state")
-    parser.add_argument("--runs", type=int, default=5, help="interleaved runs (medians)")
+    parser.add_argument(
+        "--runs", type=int, default=None, help="interleaved runs (medians; 5, 3 on a device)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dir", default=None, help="parent of the temporary directory (a disk)")
     parser.add_argument(
@@ -544,8 +566,20 @@ def main() -> None:
         raise SystemExit(f"--threads must be positive (0: torch's default): {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    on_device = args.device != "cpu"
+    if args.cpu_dry_run and not on_device:
+        raise SystemExit("--cpu-dry-run runs the device benchmark: give --device cuda with it")
+    if args.runs is None:
+        args.runs = 3 if on_device else 5
+    if args.size_mib is None and not on_device:
+        args.size_mib = 1024.0
     if args.restore_child:
-        restore_child(args)
+        if on_device:
+            from checkpoint_device import restore_child as device_restore_child
+
+            device_restore_child(args)
+        else:
+            restore_child(args)
         return
     if args.runs < 1:
         raise SystemExit(f"--runs must be at least 1: {args.runs}")
@@ -555,7 +589,12 @@ def main() -> None:
     configure_logging(level="warning")  # the restarted worker logs as a worker does
     with leftovers.Sweeper() as sweeper:  # checks at the end even if the benchmark fails
         with sweeper.trial("the benchmark (its persister)"):
-            result = measure(args, parent, sweeper)
+            if on_device:
+                from checkpoint_device import run_device
+
+                result = run_device(args, parent)
+            else:
+                result = measure(args, parent, sweeper)
         left = sweeper.final()
     print(json.dumps({**result, "survivors_killed": len(sweeper.killed), "left_behind": len(left)}))
 

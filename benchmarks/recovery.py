@@ -24,6 +24,10 @@ them (``left_behind`` in the JSON; ``survivors_killed`` counts what trials left)
 Run:  python benchmarks/recovery.py [--trials 3] [--steps 60] [--kill-at 30]
 The last line printed is one JSON object with the figures.
 
+``--device cuda`` trains on the GPUs (NCCL, a larger model) and kills a worker both during a
+save and between saves, against torchrun, with a bitwise check of the final weights
+(benchmarks/recovery_device.py); ``--device cpu``, the default, is the benchmark above.
+
 ``--scheduler slurm`` measures on a real Slurm cluster instead, a worker kill and a node loss
 (benchmarks/recovery_slurm.py says how); ``--scheduler ray`` the same two on a Ray cluster of
 this machine, against the local scheduler (benchmarks/recovery_ray.py).
@@ -271,11 +275,27 @@ def overhead(args: argparse.Namespace, sweeper: leftovers.Sweeper) -> dict[str, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--kill-at", type=int, default=30)
+    parser.add_argument("--trials", type=int, default=None, help="3 (on a device: 2)")
+    parser.add_argument("--steps", type=int, default=None, help="60 (on a device: 30)")
+    parser.add_argument("--kill-at", type=int, default=None, help="30 (on a device: 17)")
     parser.add_argument("--ckpt-every", type=int, default=5)
-    parser.add_argument("--timeout", type=float, default=90.0, help="a run past it hangs")
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="a run past it hangs (90 s; device: 240 s)"
+    )
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="with --device cuda: run its path with CPU workers (checks the script)",
+    )
+    parser.add_argument(
+        "--gpu-model",
+        default="--d-model 768 --layers 16 --heads 12 --seq 256 --batch 8",
+        help="train_gpt.py model arguments with --device cuda (~1.4 GB of state)",
+    )
+    parser.add_argument(
+        "--kill-delay", type=float, default=0.005, help="device: seconds into the killed save"
+    )
     parser.add_argument("--overhead-steps", type=int, default=60)
     parser.add_argument("--overhead-trials", type=int, default=5)
     parser.add_argument(
@@ -294,6 +314,17 @@ def main() -> None:
         "--procs-per-node", type=int, default=1, help="workers per node (--scheduler slurm or ray)"
     )
     args = parser.parse_args()
+    on_device = args.device != "cpu"
+    if args.cpu_dry_run and not on_device:
+        raise SystemExit("--cpu-dry-run runs the --device cuda path: give --device cuda with it")
+    for name, cpu, device in (
+        ("trials", 3, 2),
+        ("steps", 60, 30),
+        ("kill_at", 30, 17),
+        ("timeout", 90.0, 240.0),
+    ):
+        if getattr(args, name) is None:
+            setattr(args, name, device if on_device else cpu)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still sweeps the trial
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     if args.scheduler == "slurm":
@@ -307,7 +338,12 @@ def main() -> None:
         recovery_ray.main(args)
         return
     with leftovers.Sweeper() as sweeper:  # checks at the end even if the benchmark fails
-        compare(args, sweeper)
+        if on_device:
+            import recovery_device  # here: only this variant needs a GPU
+
+            recovery_device.main(args, sweeper)
+        else:
+            compare(args, sweeper)
 
 
 def interleave(

@@ -5,6 +5,11 @@ MASTER_ADDR and MASTER_PORT from the environment; without RANK it runs as one pr
 
     torchrun --nproc-per-node 2 examples/train_gpt.py --steps 200
 
+``--device cuda``: each worker trains on ``cuda:LOCAL_RANK`` and DDP reduces over NCCL (start
+at most as many workers per node as it has GPUs); the flash checkpoint copies the device
+tensors. ``--deterministic`` makes a GPU run bitwise reproducible (deterministic kernels, the
+math attention), as a CPU run is already.
+
 The task: each sequence follows a fixed random permutation of the vocabulary
 (``next = perm[token]``), with a token replaced by a random one now and then, so the loss drops
 from ln(vocab) towards the noise floor within a few hundred steps.
@@ -27,7 +32,10 @@ import contextlib
 import gc
 import math
 import os
+import signal
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -38,6 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel
 
 from planaria import monitor
@@ -196,13 +205,67 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-ckpt", action="store_true", help="no checkpoint at all (to measure its cost)"
     )
     p.add_argument("--out", type=Path, default=None, help="save the final model state_dict here")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: cuda:LOCAL_RANK")
+    p.add_argument(
+        "--deterministic", action="store_true", help="bitwise reproducible on a GPU too (slower)"
+    )
+    p.add_argument(
+        "--kill-in-save",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="rehearsal: SIGKILL rank --kill-rank --kill-delay s into its save of STEP (first "
+        "attempt only), so the kill lands while the save is copying",
+    )
+    p.add_argument("--kill-rank", type=int, default=0)
+    p.add_argument("--kill-delay", type=float, default=0.005, help="seconds into the save")
     return p.parse_args(argv)
 
 
-def same_start(start: int) -> None:
+def device_for(args: argparse.Namespace) -> torch.device:
+    """This worker's device: ``cuda:LOCAL_RANK`` with ``--device cuda``."""
+    if args.device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit(
+            f"--device cuda: torch cannot use CUDA here (torch {torch.__version__}, CUDA build "
+            f"{torch.version.cuda}): run on a GPU machine or with --device cpu"
+        )
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    count = torch.cuda.device_count()
+    if local >= count:
+        raise SystemExit(
+            f"--device cuda: LOCAL_RANK {local}, but this node has {count} GPU(s): start at most "
+            f"{count} worker(s) per node"
+        )
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def kill_in_save(args: argparse.Namespace, rank: int) -> None:
+    """Arm a SIGKILL of this process ``--kill-delay`` seconds from now (it is about to save
+    ``--kill-in-save``), logged first as planaria's chaos logs its kills."""
+    if rank != args.kill_rank or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+
+    def kill() -> None:
+        print(
+            f"planaria chaos: kill_worker rank={rank} at_step={args.kill_in_save} in_save "
+            f"time={time.time():.6f}",
+            file=sys.stderr,
+            flush=True,
+        )
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    timer = threading.Timer(args.kill_delay, kill)
+    timer.daemon = True
+    timer.start()
+
+
+def same_start(start: int, device: torch.device) -> None:
     """Fail clearly, not with a hang or silent drift, when ranks resume from different steps
     (on several nodes, ``--ckpt-dir`` must be storage that every node sees)."""
-    bounds = torch.tensor([start, -start])
+    bounds = torch.tensor([start, -start], device=device)
     dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
     if bounds.tolist() != [start, -start]:
         first, last = -int(bounds[1]), int(bounds[0])
@@ -212,7 +275,7 @@ def same_start(start: int) -> None:
         )
 
 
-def warm_up(ddp: nn.Module, batch: int, seq: int, vocab: int) -> None:
+def warm_up(ddp: nn.Module, batch: int, seq: int, vocab: int, device: torch.device) -> None:
     """One forward and backward pass whose gradients are thrown away, weights untouched.
 
     DDP sums gradients in buckets laid out in reverse parameter order for the first backward
@@ -222,16 +285,18 @@ def warm_up(ddp: nn.Module, batch: int, seq: int, vocab: int) -> None:
     fault used the second, and drift apart in the last bits. Taking that first pass here gives every
     training step the same layout, however often the job restarted.
     """
-    tokens = torch.zeros(batch, seq + 1, dtype=torch.long)
+    tokens = torch.zeros(batch, seq + 1, dtype=torch.long, device=device)
     logits = ddp(tokens[:, :-1])
     F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1)).backward()
     for param in ddp.parameters():
         param.grad = None
 
 
-def train(args: argparse.Namespace, rank: int, world: int, distributed: bool) -> None:
+def train(
+    args: argparse.Namespace, rank: int, world: int, distributed: bool, device: torch.device
+) -> None:
     torch.manual_seed(args.seed)  # every rank builds the same initial weights
-    model = GPT(args.vocab, args.d_model, args.heads, args.layers, args.seq)
+    model = GPT(args.vocab, args.d_model, args.heads, args.layers, args.seq).to(device)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     start = 0
@@ -248,9 +313,9 @@ def train(args: argparse.Namespace, rank: int, world: int, distributed: bool) ->
 
     ddp: nn.Module = model
     if distributed:
-        same_start(start)
-        ddp = DistributedDataParallel(model)
-        warm_up(ddp, args.batch, args.seq, args.vocab)
+        same_start(start, device)
+        ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        warm_up(ddp, args.batch, args.seq, args.vocab, device)
     perm = permutation(args.vocab, args.seed)
 
     for step in range(start, args.steps):
@@ -262,7 +327,7 @@ def train(args: argparse.Namespace, rank: int, world: int, distributed: bool) ->
             batch=args.batch,
             seq=args.seq,
             noise=args.noise,
-        )
+        ).to(device)
         logits = ddp(tokens[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
         optim.zero_grad(set_to_none=True)
@@ -280,7 +345,10 @@ def train(args: argparse.Namespace, rank: int, world: int, distributed: bool) ->
         # every --ckpt-every steps to storage too, in the background.
         persist = args.ckpt_every > 0 and (step + 1) % args.ckpt_every == 0
         if ckpt is not None:
-            ckpt.save(step, {"model": model.state_dict(), "optim": optim.state_dict()}, persist)
+            state = {"model": model.state_dict(), "optim": optim.state_dict()}
+            if step == args.kill_in_save:
+                kill_in_save(args, rank)  # armed last: it fires inside the save's copy
+            ckpt.save(step, state, persist)
         else:
             monitor.step(step)
 
@@ -299,13 +367,26 @@ def main(argv: list[str] | None = None) -> None:
     # No torch.use_deterministic_algorithms(True): the CPU kernels used here are deterministic
     # already (the tests prove it bitwise), and the call imports torch._inductor, which costs
     # ~2 s in every new worker.
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts
+        # warn_only: CUDA's nll_loss (cross_entropy) has no flagged deterministic kernel, though
+        # its reduction runs in one block; every op that has one uses it.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    device = device_for(args)
     distributed = "RANK" in os.environ
+    attention = (
+        sdpa_kernel(SDPBackend.MATH)
+        if args.deterministic and device.type == "cuda"
+        else contextlib.nullcontext()
+    )
     if not distributed:
-        train(args, 0, 1, distributed=False)
+        with attention:
+            train(args, 0, 1, distributed=False, device=device)
         return
-    dist.init_process_group("gloo")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        train(args, dist.get_rank(), dist.get_world_size(), distributed=True)
+        with attention:
+            train(args, dist.get_rank(), dist.get_world_size(), distributed=True, device=device)
     except BaseException as exc:
         # Free the DDP module held by the traceback's frames now (see shut_down), and let no
         # error of the shutdown hide the one that stopped training.

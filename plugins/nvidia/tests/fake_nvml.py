@@ -219,6 +219,27 @@ class FakeNvml:
             found.append(pynvml.nvmlStructToFriendlyObject(info))
         return found
 
+    def _pcie(self, name: str, handle: Any, field: str) -> int:
+        self._call(name, handle)
+        return int(_answer(_answer(self._device(handle)["pcie"])[field]))
+
+    def device_get_curr_pcie_link_generation(self, handle: Any) -> int:
+        return self._pcie("device_get_curr_pcie_link_generation", handle, "current_generation")
+
+    def device_get_max_pcie_link_generation(self, handle: Any) -> int:
+        return self._pcie("device_get_max_pcie_link_generation", handle, "max_generation")
+
+    def device_get_curr_pcie_link_width(self, handle: Any) -> int:
+        return self._pcie("device_get_curr_pcie_link_width", handle, "current_width")
+
+    def device_get_max_pcie_link_width(self, handle: Any) -> int:
+        return self._pcie("device_get_max_pcie_link_width", handle, "max_width")
+
+    def device_get_utilization_rates(self, handle: Any) -> Any:
+        self._call("device_get_utilization_rates", handle)
+        rates = _answer(self._device(handle)["utilization"])
+        return pynvml.c_nvmlUtilization_t(gpu=rates["gpu"], memory=rates["memory"])
+
     def event_set_create(self) -> Any:
         self._call("event_set_create")
         _answer(self.fixture.get("event_set", None))

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pynvml
 import pytest
 from conftest import RunFake
-from fake_nvml import FakeNvml
+from fake_nvml import FakeNvml, load_fixture
 
 from planaria.errors import HealthCheckError
 from planaria.health.api import CheckContext, Status
@@ -30,7 +36,8 @@ def test_healthy_node(run_fake: RunFake, fixture: str, name: str, total: int) ->
     assert results["nvidia"].metrics == {"devices": 8.0}
     assert "8 GPU(s), driver " in results["nvidia"].detail
     gpu1 = results["gpu1"]
-    assert gpu1.detail == f"{name}, 35 C"
+    assert gpu1.detail == f"{name}, 35 C, PCIe gen 5 x16"
+    assert gpu1.metrics["pcie_width"] == gpu1.metrics["pcie_max_width"] == 16.0
     assert gpu1.metrics["temperature_c"] == 35.0
     assert gpu1.metrics["ecc_uncorrectable_volatile"] == 0.0
     assert gpu1.metrics["remapped_rows_pending"] == 0.0
@@ -197,8 +204,12 @@ def test_nvlink_errors_fail(run_fake: RunFake) -> None:
     assert "NVLink 11: 2 recovery errors (max 1)" in results["gpu5"].detail
 
 
-def test_foreign_memory_is_checked_when_asked(run_fake: RunFake) -> None:
-    results, fake = run_fake("foreign_memory.json")
+def test_foreign_memory_degrades_and_fails_above_its_limit(run_fake: RunFake) -> None:
+    results, _ = run_fake("foreign_memory.json")
+    gpu0 = results["gpu0"]
+    assert gpu0.status is Status.DEGRADED
+    assert "71680 MiB held by processes not of this job: pid 48213 (71680 MiB" in gpu0.detail
+    results, fake = run_fake("foreign_memory.json", flag_foreign_processes=False)
     assert results["gpu0"].status is Status.OK
     assert not [c for c in fake.calls if c[0] == "device_get_compute_running_processes"]
     results, _ = run_fake("foreign_memory.json", max_foreign_memory="1GiB")
@@ -208,6 +219,72 @@ def test_foreign_memory_is_checked_when_asked(run_fake: RunFake) -> None:
     assert gpu0.metrics["foreign_memory_bytes"] == 75161927680.0
     assert results["gpu1"].status is Status.OK
     assert results["gpu1"].metrics["foreign_processes"] == 0.0
+
+
+def test_a_killed_workers_context_is_flagged_and_the_jobs_own_are_not(
+    run_fake: RunFake, tmp_path: Path
+) -> None:
+    """pid 4194000 no longer exists (the killed worker); pid 1 is alive and not ours; this
+    process and its child are the job's own and are never flagged."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        fixture = load_fixture("leftover_context.json")
+        fixture["devices"]["2"] = {
+            "processes": [
+                {"pid": os.getpid(), "used_gpu_memory": 1 << 30},
+                {"pid": child.pid, "used_gpu_memory": 1 << 30},
+            ]
+        }
+        path = tmp_path / "fixture.json"
+        path.write_text(json.dumps(fixture))
+        results, _ = run_fake(str(path))
+    finally:
+        child.kill()
+        child.wait()
+    gpu1 = results["gpu1"]
+    assert gpu1.status is Status.DEGRADED
+    assert (
+        "31744 MiB held by processes not of this job: "
+        "pid 4194000 (21504 MiB, exited: a leftover context), pid 1 (10240 MiB)"
+    ) in gpu1.detail
+    assert gpu1.metrics["foreign_processes"] == 2.0
+    assert results["gpu2"].status is Status.OK
+    assert results["gpu2"].metrics["foreign_processes"] == 0.0
+
+
+def test_pcie_link_width_and_generation(run_fake: RunFake) -> None:
+    results, fake = run_fake("pcie_link.json")
+    # At idle a lower generation is power saving: noted, not degraded.
+    gpu2 = results["gpu2"]
+    assert gpu2.status is Status.OK
+    assert gpu2.detail == (
+        "NVIDIA H100 80GB HBM3, 33 C, PCIe gen 1 x16; PCIe link at gen 1 of 5 while idle "
+        "(links train down at idle; judged only under load)"
+    )
+    # A narrower link is never idle power saving.
+    gpu3 = results["gpu3"]
+    assert gpu3.status is Status.DEGRADED
+    assert gpu3.detail.startswith("PCIe link x8 of x16 (gen 5 of 5)")
+    assert gpu3.metrics["pcie_width"] == 8.0
+    # Busy and below its generation: degraded.
+    gpu4 = results["gpu4"]
+    assert gpu4.status is Status.DEGRADED
+    assert gpu4.detail == "PCIe link gen 3 of 5 while the GPU is busy (97%)"
+    assert gpu4.metrics["utilization_gpu"] == 97.0
+    assert results["gpu0"].status is Status.OK
+    # Utilization is read only where the generation is below its maximum.
+    asked = [a[0] for n, a in fake.calls if n == "device_get_utilization_rates"]
+    assert len(asked) == 2
+
+
+def test_pcie_not_supported_is_noted(run_fake: RunFake, tmp_path: Path) -> None:
+    fixture = load_fixture("healthy_h100.json")
+    fixture["device"]["pcie"] = {"nvml_error": "NVML_ERROR_NOT_SUPPORTED"}
+    path = tmp_path / "fixture.json"
+    path.write_text(json.dumps(fixture))
+    results, _ = run_fake(str(path))
+    assert results["gpu0"].status is Status.OK
+    assert results["gpu0"].detail == ("NVIDIA H100 80GB HBM3, 33 C; not supported here: PCIe link")
 
 
 def test_a_lost_gpu_fails_alone(run_fake: RunFake) -> None:

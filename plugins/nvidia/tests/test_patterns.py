@@ -103,7 +103,7 @@ def test_the_installed_plugin_classifies_ahead_of_the_core():
     info = manager.plugins["nvidia"]
     registered = [p for name, p in manager.fault_patterns() if name == "nvidia"]
     assert registered == list(patterns())
-    assert info.kinds == ["fault_pattern", "health_check"]
+    assert info.kinds == ["fault_pattern", "health_check", "node_benchmark"]
     verdict = Classifier(plugins=manager.fault_patterns()).classify(1, None, TRACEBACK + XID[13])
     assert (verdict.kind, verdict.source) == (FaultClass.USER, "plugin nvidia")
 

@@ -2,8 +2,10 @@
 
 Hardware faults fail a GPU (uncorrectable ECC errors, memory repairs pending or failed, fatal
 XIDs, NVLink errors, a missing GPU); soft trouble degrades it (throttling for heat or power,
-high temperature). A probe a GPU generation does not support (``NVML_ERROR_NOT_SUPPORTED``) is
-noted and skipped: A100 and later repair memory by remapping rows, older GPUs retire pages.
+high temperature, a PCIe link trained below its maximum, memory held by a process that is not
+this one or its children: a killed worker's leftover context, another job's process). A probe
+a GPU generation does not support (``NVML_ERROR_NOT_SUPPORTED``) is noted and skipped: A100
+and later repair memory by remapping rows, older GPUs retire pages.
 No driver on the node is a ``not_applicable`` result, never an error.
 """
 
@@ -15,6 +17,7 @@ from typing import TypeVar
 
 import pynvml
 
+from planaria import process
 from planaria.errors import HealthCheckError
 from planaria.plugin import CheckContext, DeviceResult, HealthCheck, Status
 from planaria_nvidia.nvml import Handle, Nvml
@@ -61,6 +64,28 @@ MIB = 1 << 20
 
 def _mib(n: float) -> str:
     return f"{n / MIB:.0f} MiB"
+
+
+def job_pids() -> set[int]:
+    """This process and its descendants (an agent's workers): the GPU memory they hold is the
+    job's own. In a container without the host's pid namespace NVML names host pids, which
+    match none of these: turn ``flag_foreign_processes`` off there."""
+    children: dict[int, list[int]] = {}
+    for pid, stat in process.processes():
+        children.setdefault(stat.ppid, []).append(pid)
+    found = {os.getpid()}
+    todo = [os.getpid()]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _describe_process(pid: int, held: int) -> str:
+    gone = "" if process.running(pid) else ", exited: a leftover context"
+    return f"pid {pid} ({_mib(held)}{gone})"
 
 
 class _Probe:
@@ -199,10 +224,11 @@ class NvidiaCheck(HealthCheck[NvidiaOptions]):
         self._throttling(probe, handle)
         temperature = self._temperature(probe, handle)
         self._nvlink(probe, handle)
+        link = self._pcie(probe, handle)
         self._memory(probe, handle)
         self._xids(probe, index, xids.by_device.get(index, []))
         summary = name if temperature is None else f"{name}, {temperature} C"
-        return probe.result(summary)
+        return probe.result(summary if link is None else f"{summary}, {link}")
 
     def _ecc(self, probe: _Probe, handle: Handle) -> None:
         count = probe.read(
@@ -345,31 +371,98 @@ class NvidiaCheck(HealthCheck[NvidiaOptions]):
         for name, total in totals.items():
             probe.metrics[f"nvlink_{name}_errors"] = float(total)
 
+    def _pcie(self, probe: _Probe, handle: Handle) -> str | None:
+        """The link as ``PCIe gen 5 x16``, or None when this GPU cannot say.
+
+        A narrower link than the GPU's maximum degrades it: links keep their width at idle, so
+        a lower one is a bad slot, riser or cable. A lower generation degrades it only while the
+        GPU is busy: many GPUs train their link down to gen 1 at idle to save power and back up
+        under load, so at idle it is only noted."""
+        calls = {
+            "generation": self.nvml.device_get_curr_pcie_link_generation,
+            "max_generation": self.nvml.device_get_max_pcie_link_generation,
+            "width": self.nvml.device_get_curr_pcie_link_width,
+            "max_width": self.nvml.device_get_max_pcie_link_width,
+        }
+        link: dict[str, int] = {}
+        for key, call in calls.items():
+            try:
+                link[key] = call(handle)
+            except pynvml.NVMLError as exc:
+                if exc.value in UNSUPPORTED:
+                    probe.unsupported.append("PCIe link")
+                else:
+                    probe.failed_read("PCIe link", exc)
+                return None
+        gen, max_gen, width, max_width = (
+            link["generation"],
+            link["max_generation"],
+            link["width"],
+            link["max_width"],
+        )
+        probe.metrics.update(
+            pcie_generation=float(gen),
+            pcie_max_generation=float(max_gen),
+            pcie_width=float(width),
+            pcie_max_width=float(max_width),
+        )
+        if width < max_width:
+            probe.problem(
+                Status.DEGRADED,
+                f"PCIe link x{width} of x{max_width} (gen {gen} of {max_gen}): the slot, riser "
+                "or cable trained it narrower, host copies run slower",
+            )
+        elif gen < max_gen:
+            rates = probe.read(
+                "utilization", lambda: self.nvml.device_get_utilization_rates(handle)
+            )
+            busy = 0 if rates is None else int(rates.gpu)
+            if rates is not None:
+                probe.metrics["utilization_gpu"] = float(busy)
+            if busy:
+                probe.problem(
+                    Status.DEGRADED,
+                    f"PCIe link gen {gen} of {max_gen} while the GPU is busy ({busy}%)",
+                )
+            else:
+                probe.notes.append(
+                    f"PCIe link at gen {gen} of {max_gen} while idle (links train down at idle; "
+                    "judged only under load)"
+                )
+        return f"PCIe gen {gen} x{width}"
+
     def _memory(self, probe: _Probe, handle: Handle) -> None:
         info = probe.read("memory", lambda: self.nvml.device_get_memory_info(handle))
         if info is not None:
             probe.metrics["memory_used_bytes"] = float(info.used)
             probe.metrics["memory_total_bytes"] = float(info.total)
         limit = self.options.max_foreign_memory
-        if limit is None:
+        if limit is None and not self.options.flag_foreign_processes:
             return
         processes = probe.read(
             "running processes", lambda: self.nvml.device_get_compute_running_processes(handle)
         )
         if processes is None:
             return
-        own = os.getpid()
-        others = [p for p in processes if p.pid != own]
+        ours = job_pids()
+        others = [p for p in processes if p.pid not in ours]
         # usedGpuMemory is None where the driver cannot tell (WDDM); count those as 0.
         held = sum(p.usedGpuMemory or 0 for p in others)
         probe.metrics["foreign_processes"] = float(len(others))
         probe.metrics["foreign_memory_bytes"] = float(held)
-        if held > limit:
-            listed = ", ".join(f"pid {p.pid} ({_mib(p.usedGpuMemory or 0)})" for p in others[:5])
-            more = f" and {len(others) - 5} more" if len(others) > 5 else ""
+        if not others:
+            return
+        listed = ", ".join(_describe_process(p.pid, p.usedGpuMemory or 0) for p in others[:5])
+        more = f" and {len(others) - 5} more" if len(others) > 5 else ""
+        if limit is not None and held > limit:
             probe.problem(
                 Status.FAILED,
                 f"{_mib(held)} already held by other processes (max {_mib(limit)}): {listed}{more}",
+            )
+        elif self.options.flag_foreign_processes:
+            probe.problem(
+                Status.DEGRADED,
+                f"{_mib(held)} held by processes not of this job: {listed}{more}",
             )
 
     def _xids(self, probe: _Probe, index: int, seen: list[int]) -> None:

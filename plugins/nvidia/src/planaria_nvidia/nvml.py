@@ -48,6 +48,11 @@ class Nvml(Protocol):
     def device_get_nvlink_error_counter(self, handle: Handle, link: int, counter: int) -> int: ...
     def device_get_memory_info(self, handle: Handle) -> Any: ...
     def device_get_compute_running_processes(self, handle: Handle) -> list[Any]: ...
+    def device_get_curr_pcie_link_generation(self, handle: Handle) -> int: ...
+    def device_get_max_pcie_link_generation(self, handle: Handle) -> int: ...
+    def device_get_curr_pcie_link_width(self, handle: Handle) -> int: ...
+    def device_get_max_pcie_link_width(self, handle: Handle) -> int: ...
+    def device_get_utilization_rates(self, handle: Handle) -> Any: ...
     def event_set_create(self) -> EventSet: ...
     def device_register_events(
         self, handle: Handle, event_types: int, event_set: EventSet
@@ -113,6 +118,21 @@ class Pynvml:
 
     def device_get_compute_running_processes(self, handle: Handle) -> list[Any]:
         return list(pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
+
+    def device_get_curr_pcie_link_generation(self, handle: Handle) -> int:
+        return int(pynvml.nvmlDeviceGetCurrPcieLinkGeneration(handle))
+
+    def device_get_max_pcie_link_generation(self, handle: Handle) -> int:
+        return int(pynvml.nvmlDeviceGetMaxPcieLinkGeneration(handle))
+
+    def device_get_curr_pcie_link_width(self, handle: Handle) -> int:
+        return int(pynvml.nvmlDeviceGetCurrPcieLinkWidth(handle))
+
+    def device_get_max_pcie_link_width(self, handle: Handle) -> int:
+        return int(pynvml.nvmlDeviceGetMaxPcieLinkWidth(handle))
+
+    def device_get_utilization_rates(self, handle: Handle) -> Any:
+        return pynvml.nvmlDeviceGetUtilizationRates(handle)
 
     def event_set_create(self) -> EventSet:
         return pynvml.nvmlEventSetCreate()

@@ -68,7 +68,14 @@ class NvidiaOptions(BaseModel):
     )
     max_foreign_memory: ByteSize | None = Field(
         default=None,
-        description="GPU memory other processes may already hold (e.g. 1GiB); unset: not checked",
+        description="GPU memory other processes may already hold (e.g. 1GiB) before the GPU "
+        "fails; unset: no limit",
+    )
+    flag_foreign_processes: bool = Field(
+        default=True,
+        description="a process other than this one and its children holding GPU memory (a "
+        "killed worker's context) degrades the GPU; off where NVML names host pids (a container "
+        "without the host's pid namespace)",
     )
 
     @model_validator(mode="after")
