@@ -2,23 +2,30 @@
 
 The master writes the run directory (``planaria-runs/<run>/``): the timeline
 (``events.jsonl``), its journal (``master.db``), its token, and at the end the summary. Readers
-go through here, so that a file that is not what it should be is one clear error naming it
-(and the line, for the timeline), never a traceback.
+go through here, so that a file that is not what it should be is one clear error naming it,
+never a traceback; a damaged line of the timeline is skipped with a warning naming the file
+and the line, and the rest is read.
 """
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
+from planaria import log
 from planaria.errors import PlanariaError
-from planaria.events import JobEvent
+from planaria.events import EventKind, JobEvent
 from planaria.master.journal import NAME as JOURNAL_FILE
 from planaria.master.timeline import Summary, read_summary
 
 EVENTS_FILE = "events.jsonl"
+_log = log.get_logger("rundir")
 
 
 class RunDirError(PlanariaError):
@@ -39,34 +46,187 @@ def run_dir(path: Path) -> Path:
     return path.absolute()
 
 
-def events(path: Path) -> list[JobEvent]:
-    """Every event of the run's timeline, in order. A line that is not an event is an error
-    naming the file and the line."""
+def read_events(path: Path) -> Iterator[JobEvent]:
+    """The run's timeline, event by event, in order, read as it goes (a timeline of a week
+    is gigabytes). A line that is not an event is skipped with a warning naming the file and
+    the line: one damaged line (a crash mid-write) must not hide the rest."""
     timeline = path / EVENTS_FILE
     try:
-        text = timeline.read_text(encoding="utf-8")
+        f = timeline.open("rb")
     except FileNotFoundError:
-        return []
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RunDirError(f"cannot read {timeline}: {exc}") from None
-    found = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
+        return
+    except OSError as exc:
+        raise RunDirError(f"cannot read {timeline}: {exc.strerror or exc}") from None
+    damaged = _Damaged(timeline)
+    with f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield parse_line(line)
+            except ValueError as exc:
+                damaged.skip(f"line {number}", exc)
+    damaged.done()
+
+
+def events(path: Path) -> list[JobEvent]:
+    """Every event of the run's timeline, in order (:func:`read_events`, kept in memory)."""
+    return list(read_events(path))
+
+
+def parse_line(line: bytes) -> JobEvent:
+    """One line of a timeline as an event; :class:`ValueError` saying why when it is none.
+    A step sample, most of a timeline's lines, is read without its model's checks when its
+    fields are plainly right: that is what makes a long timeline quick to read."""
+    if line.startswith(PROGRESS):
         try:
-            found.append(JobEvent.from_line(line))
-        except json.JSONDecodeError as exc:
-            raise RunDirError(
-                f"{timeline}, line {number}: not JSON ({exc.msg} at column {exc.colno}); the "
-                "timeline is damaged"
-            ) from None
-        except ValidationError as exc:
-            first = exc.errors(include_url=False)[0]
-            where = ".".join(map(str, first["loc"])) or "<line>"
-            raise RunDirError(
-                f"{timeline}, line {number}: not a job event ({where}: {first['msg']}); the "
-                "timeline is damaged"
-            ) from None
+            fields = json.loads(line)
+        except ValueError:
+            fields = None  # told below, as any line that is not JSON
+        if _plain_progress(fields):
+            return JobEvent.model_construct(**{**fields, "kind": EventKind.PROGRESS})
+    try:
+        return JobEvent.from_line(line.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc.msg} at column {exc.colno})") from None
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(map(str, first["loc"])) or "<line>"
+        raise ValueError(f"not a job event ({where}: {first['msg']})") from None
+
+
+PROGRESS = b'{"kind":"progress"'
+"""How a step sample's line starts, as the master writes it: its kind comes first."""
+_PROGRESS_LINE = b"\n" + PROGRESS
+_EVENT_FIELDS = frozenset(JobEvent.model_fields)
+
+
+def _plain_progress(fields: Any) -> bool:
+    def optional(value: Any, kind: type) -> bool:
+        return value is None or (isinstance(value, kind) and not isinstance(value, bool))
+
+    return (
+        isinstance(fields, dict)
+        and fields.keys() <= _EVENT_FIELDS
+        and isinstance(fields.get("job"), str)
+        and isinstance(fields.get("time"), (int, float))
+        and not isinstance(fields.get("time"), bool)
+        and optional(fields.get("node"), str)
+        and optional(fields.get("rank"), int)
+        and optional(fields.get("step"), int)
+        and isinstance(fields.get("message", ""), str)
+        and isinstance(fields.get("data"), dict)
+        and fields["data"].keys() == {"round"}
+        and optional(fields["data"]["round"], int)
+        and fields["data"]["round"] is not None
+    )
+
+
+class _Damaged:
+    """Warns of the damaged lines skipped: each of the first few, then how many more."""
+
+    SHOWN = 10
+
+    def __init__(self, timeline: Path) -> None:
+        self.timeline = timeline
+        self.count = 0
+
+    def skip(self, where: str, why: Exception) -> None:
+        self.count += 1
+        if self.count <= self.SHOWN:
+            _log.warning(f"{self.timeline}, {where}: {why}; the line is skipped")
+
+    def done(self) -> None:
+        if self.count > self.SHOWN:
+            more = self.count - self.SHOWN
+            _log.warning(f"{self.timeline}: {more} more damaged line(s) skipped")
+
+
+@dataclass
+class Tail:
+    """The end of a timeline: what ``planaria status`` shows of it."""
+
+    events: list[JobEvent] = field(default_factory=list)
+    """The last events that are no step samples, oldest first."""
+    steps: dict[str, int] = field(default_factory=dict)
+    """Each node's last step sampled, of the nodes asked for, where found."""
+
+
+BLOCK = 1 << 20
+STEPS_WITHIN = 16 << 20
+"""How far from its end :func:`tail` looks for a node's last step: a node silent for longer
+(one lost early in a long job) shows none, rather than the whole timeline being read."""
+
+
+def tail(path: Path, count: int, nodes: Collection[str] = ()) -> Tail:
+    """The last ``count`` events that are no step samples, and the last step of each of
+    ``nodes``, read from the end of the timeline backwards: its size does not matter (a
+    block at a time; a block of step samples only is skipped unparsed). A damaged line is
+    skipped with a warning counting it from the end (``tail -n`` finds it)."""
+    timeline = path / EVENTS_FILE
+    found = Tail()
+    try:
+        f = timeline.open("rb")
+    except FileNotFoundError:
+        return found
+    except OSError as exc:
+        raise RunDirError(f"cannot read {timeline}: {exc.strerror or exc}") from None
+    damaged = _Damaged(timeline)
+    wanted = set(nodes)
+    recent: list[JobEvent] = []
+
+    def take(line: bytes, number: int, near: bool) -> bool:
+        """Whether ``line`` (the ``number``-th from the end) completes what is looked for."""
+        if not line.strip():
+            return False
+        progress = line.startswith(PROGRESS)
+        if progress and not (near and wanted):
+            return False
+        try:
+            event = parse_line(line)
+        except ValueError as exc:
+            damaged.skip(f"line {number} from its end", exc)
+            return False
+        if event.kind is EventKind.PROGRESS:
+            if event.node in wanted and event.step is not None:
+                found.steps[event.node] = event.step
+                wanted.discard(event.node)
+        elif len(recent) < count:
+            recent.append(event)
+        return len(recent) >= count and not (near and wanted)
+
+    with f:
+        end = pos = f.seek(0, os.SEEK_END)
+        carry = b""
+        number = 0
+        done = False
+        while pos > 0 and not done:
+            start = max(0, pos - BLOCK)
+            near = end - start <= STEPS_WITHIN
+            if len(recent) >= count and not (near and wanted):
+                break
+            f.seek(start)
+            buffer = f.read(pos - start) + carry
+            pos = start
+            lines = buffer.count(b"\n")
+            if not (near and wanted) and lines and buffer.count(_PROGRESS_LINE) == lines:
+                carry = buffer[: buffer.index(b"\n")]  # all the rest: step samples
+                number += lines
+                continue
+            pieces = buffer.split(b"\n")
+            carry = pieces[0]
+            for piece in reversed(pieces[1:]):
+                if piece or number:
+                    number += 1
+                if take(piece, number, near):
+                    done = True
+                    break
+        if not done and pos == 0:
+            take(carry, number + 1, end <= STEPS_WITHIN)  # the first line of the file
+    damaged.done()
+    found.events = recent[::-1]
     return found
 
 

@@ -35,6 +35,8 @@ CHECKPOINT = "#7f8c8d"
 STRAGGLER = "#b7950b"
 MANY_NODES = 12
 """Beyond this many nodes their lines share one colour and the legend names none."""
+LABELLED = 10
+"""Faults whose marks are labelled (the last ones): more labels would only cover each other."""
 
 
 class MissingMatplotlib(ImportError):
@@ -106,7 +108,7 @@ def _steps(ax: Any, course: Course) -> None:
             color=CHECKPOINT,
         )
     top = _top(course)
-    for k, incident in enumerate(course.incidents):
+    for k, incident in enumerate(course.incidents[-LABELLED:]):
         ax.annotate(
             _headline(incident),
             xy=(incident.detected, top * (0.97 - 0.16 * (k % 3))),
@@ -217,8 +219,12 @@ def _lanes(ax: Any, course: Course) -> None:
                 color=colour,
             )
 
+    labelled = {i.number for i in course.incidents[-LABELLED:]}
     for i in course.incidents:
         below = i.number % 2 == 0
+        if i.number not in labelled:
+            _unlabelled(ax, row, i, course.end)
+            continue
         fault_at = i.injected if i.injected is not None else i.detected
         mark("fault", fault_at, FAULT, f"{i.number}: {i.kind}", "X", below)
         mark("detected", i.detected, DETECTED, f"{i.number}: {i.where}", below=below)
@@ -252,6 +258,19 @@ def _lanes(ax: Any, course: Course) -> None:
     ax.set_yticks(list(row.values()), list(row.keys()))
     ax.set_ylim(-0.7, len(LANES) - 0.3)
     ax.grid(axis="x", alpha=0.3)
+
+
+def _unlabelled(ax: Any, row: dict[str, int], i: Any, end: float) -> None:
+    """A fault's moments as marks only."""
+    fault_at = i.injected if i.injected is not None else i.detected
+    moments = [("fault", fault_at, FAULT), ("detected", i.detected, DETECTED)]
+    moments += [("restart", i.restarted, RESTART), ("restore", i.restored, RESTORE)]
+    moments += [("recovered", i.recovered, RECOVERED)]
+    for lane, at, colour in moments:
+        if at is not None:
+            ax.plot([at], [row[lane]], "o", color=colour, markersize=4)
+    span_end = i.recovered if i.recovered is not None else end
+    ax.plot([fault_at, span_end], [row["fault"]] * 2, color=FAULT, alpha=0.4, linewidth=3)
 
 
 def svg(fig: Figure) -> str:
