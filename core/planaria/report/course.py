@@ -30,7 +30,7 @@ POINTS = 400
 """Step samples kept a node (and checkpoints kept), spread over the whole job."""
 INCIDENTS = 50
 """Faults told one by one: the last ones; the others are counted by kind."""
-ROUNDS = 200
+ROUNDS = 50
 STRAGGLERS = 50
 FIRST_EVENTS = 100
 LAST_EVENTS = 400

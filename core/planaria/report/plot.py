@@ -36,7 +36,8 @@ STRAGGLER = "#b7950b"
 MANY_NODES = 12
 """Beyond this many nodes their lines share one colour and the legend names none."""
 LABELLED = 10
-"""Faults whose marks are labelled (the last ones): more labels would only cover each other."""
+"""Faults and rounds whose marks are labelled (the last ones): more labels would only cover
+each other, and make the picture megabytes."""
 
 
 class MissingMatplotlib(ImportError):
@@ -134,10 +135,12 @@ def _nodes(ax: Any, course: Course, each: bool) -> None:
     number of nodes in each round."""
     ax.set_ylabel("nodes")
     ax.grid(axis="x", alpha=0.3)
+    labelled = {r.number for r in course.rounds[-LABELLED:]}
     if not each:
         for r in course.rounds:
             ax.broken_barh([(r.start, r.end - r.start)], (-0.3, 0.6), color="C0", alpha=0.5)
-            ax.text(r.start, 0, f" {len(r.ranks)} nodes", va="center", fontsize=7.5)
+            if r.number in labelled:
+                ax.text(r.start, 0, f" {len(r.ranks)} nodes", va="center", fontsize=7.5)
         ax.set_yticks([0], ["all"])
         return
     names = course.nodes_seen()
@@ -156,7 +159,8 @@ def _nodes(ax: Any, course: Course, each: bool) -> None:
                 alpha=0.35,
                 linewidth=0,
             )
-            ax.text(r.start, row[name], f" rank {r.ranks[name]}", va="center", fontsize=7)
+            if r.number in labelled:
+                ax.text(r.start, row[name], f" rank {r.ranks[name]}", va="center", fontsize=7)
         samples = [s for line in course.nodes.get(name, []) for s in line]
         ax.plot([s.time for s in samples], [row[name]] * len(samples), "|", color=colour, ms=9)
         if len(samples) <= 40:
@@ -241,8 +245,9 @@ def _lanes(ax: Any, course: Course) -> None:
             mark("recovered", i.recovered, RECOVERED, took, below=below)
         span_end = i.recovered if i.recovered is not None else course.end
         ax.plot([fault_at, span_end], [row["fault"]] * 2, color=FAULT, alpha=0.4, linewidth=3)
-    for c in course.checkpoints:
-        ax.plot([c.time], [row["checkpoint"]], "^", color=CHECKPOINT, markersize=5)
+    if course.checkpoints:
+        at = [c.time for c in course.checkpoints]
+        ax.plot(at, [row["checkpoint"]] * len(at), "^", color=CHECKPOINT, markersize=5)
     for s in course.stragglers:
         mark("straggler", s.time, STRAGGLER, s.label, "D")
     if course.outcome is not None:
