@@ -9,7 +9,10 @@ each with its restart, round and recovery), its journal and its summary; then ru
 one's wall time and peak memory (RSS). The baseline is the same command on a timeline of
 ``--baseline`` megabytes, in the same run: a command whose cost does not grow with the
 timeline has ratios near 1 (status), one that reads it all grows with its size in time only,
-never in memory (report).
+never in memory (report). Two more references: status in this process (without the
+interpreter's start and imports, most of a command's second), and the large timeline read
+with a plain ``json.loads`` loop, the floor of any reading of every line (report's time is
+given as a multiple of it).
 
 Run:  python benchmarks/events_scale.py [--size 1000] [--baseline 10] [--nodes 8] [--faults 20]
 The last line printed is one JSON object with the figures and the ratios. The run
@@ -29,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from planaria import events
+from planaria import events, status
 from planaria.events import JobEvent
 from planaria.master.journal import Journal
 from planaria.master.state import Node
@@ -258,10 +261,24 @@ def measure(*command: str) -> dict[str, float]:
     return {"seconds": round(wall, 3), "peak_mb": round(usage.ru_maxrss / 1024, 1)}
 
 
+def plain_read(run_dir: Path) -> float:
+    """Seconds to read the timeline with a plain ``json.loads`` loop: the floor of a reading
+    of every line."""
+    started = time.perf_counter()
+    with (run_dir / "events.jsonl").open("rb") as f:
+        for line in f:
+            json.loads(line)
+    return round(time.perf_counter() - started, 3)
+
+
 def bench(run_dir: Path, report: bool) -> dict[str, Any]:
     planaria = str(Path(sys.executable).parent / "planaria")
     figures: dict[str, Any] = {"mb": round((run_dir / "events.jsonl").stat().st_size / 1e6, 1)}
     figures["status"] = measure(planaria, "status", str(run_dir))
+    started = time.perf_counter()
+    status.view(run_dir)
+    figures["status"]["in_process_s"] = round(time.perf_counter() - started, 3)
+    figures["plain_read_s"] = plain_read(run_dir)
     if report:
         figures["report"] = measure(
             planaria, "report", str(run_dir), "-o", str(run_dir / "report.html")
@@ -290,6 +307,9 @@ def main() -> None:
             result[name]["lines"] = lines
             print(f"{name}: {lines} lines written in {made:.1f}s: {result[name]}", flush=True)
             shutil.rmtree(where / name)
+        if "report" in result["large"]:
+            took = result["large"]["report"]["seconds"] / result["large"]["plain_read_s"]
+            result["report_vs_plain_read"] = round(took, 2)
         for command in ("status", "report"):
             if command in result["large"]:
                 big, small = result["large"][command], result["baseline"][command]

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import NamedTuple, TypeVar
 
 from pydantic import ValidationError
 
@@ -26,6 +26,7 @@ from planaria.master.timeline import Summary, read_summary
 
 EVENTS_FILE = "events.jsonl"
 _log = log.get_logger("rundir")
+T = TypeVar("T")
 
 
 class RunDirError(PlanariaError):
@@ -50,6 +51,16 @@ def read_events(path: Path) -> Iterator[JobEvent]:
     """The run's timeline, event by event, in order, read as it goes (a timeline of a week
     is gigabytes). A line that is not an event is skipped with a warning naming the file and
     the line: one damaged line (a crash mid-write) must not hide the rest."""
+    return _read(path, parse_line)
+
+
+def read_timeline(path: Path) -> Iterator[JobEvent | StepSample]:
+    """:func:`read_events`, but each step sample (most of a timeline's lines) as a plain
+    :class:`StepSample`: read without building its event, five times as quick."""
+    return _read(path, _sample_or_event)
+
+
+def _read(path: Path, parse: Callable[[bytes], T]) -> Iterator[T]:
     timeline = path / EVENTS_FILE
     try:
         f = timeline.open("rb")
@@ -63,7 +74,7 @@ def read_events(path: Path) -> Iterator[JobEvent]:
             if not line.strip():
                 continue
             try:
-                yield parse_line(line)
+                yield parse(line)
             except ValueError as exc:
                 damaged.skip(f"line {number}", exc)
     damaged.done()
@@ -75,16 +86,7 @@ def events(path: Path) -> list[JobEvent]:
 
 
 def parse_line(line: bytes) -> JobEvent:
-    """One line of a timeline as an event; :class:`ValueError` saying why when it is none.
-    A step sample, most of a timeline's lines, is read without its model's checks when its
-    fields are plainly right: that is what makes a long timeline quick to read."""
-    if line.startswith(PROGRESS):
-        try:
-            fields = json.loads(line)
-        except ValueError:
-            fields = None  # told below, as any line that is not JSON
-        if _plain_progress(fields):
-            return JobEvent.model_construct(**{**fields, "kind": EventKind.PROGRESS})
+    """One line of a timeline as an event; :class:`ValueError` saying why when it is none."""
     try:
         return JobEvent.from_line(line.decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -97,31 +99,50 @@ def parse_line(line: bytes) -> JobEvent:
         raise ValueError(f"not a job event ({where}: {first['msg']})") from None
 
 
+class StepSample(NamedTuple):
+    """A ``progress`` event's figures: a node's step at a time, in a round."""
+
+    time: float
+    node: str
+    step: int
+    round: int
+
+
 PROGRESS = b'{"kind":"progress"'
 """How a step sample's line starts, as the master writes it: its kind comes first."""
 _PROGRESS_LINE = b"\n" + PROGRESS
-_EVENT_FIELDS = frozenset(JobEvent.model_fields)
 
 
-def _plain_progress(fields: Any) -> bool:
-    def optional(value: Any, kind: type) -> bool:
-        return value is None or (isinstance(value, kind) and not isinstance(value, bool))
+def step_sample(line: bytes) -> StepSample | None:
+    """The step sample of ``line`` when it is plainly one, as the master writes it; None
+    when it is not, or not plainly (:func:`parse_line` then tells)."""
+    if not line.startswith(PROGRESS):
+        return None
+    try:
+        fields = json.loads(line)
+        when, node, step, round_ = fields["time"], fields["node"], fields["step"], fields["data"]
+        round_ = round_["round"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if (
+        type(when) in (float, int)
+        and type(node) is str
+        and type(step) is int
+        and type(round_) is int
+        and type(fields["job"]) is str
+    ):
+        return StepSample(float(when), node, step, round_)
+    return None
 
-    return (
-        isinstance(fields, dict)
-        and fields.keys() <= _EVENT_FIELDS
-        and isinstance(fields.get("job"), str)
-        and isinstance(fields.get("time"), (int, float))
-        and not isinstance(fields.get("time"), bool)
-        and optional(fields.get("node"), str)
-        and optional(fields.get("rank"), int)
-        and optional(fields.get("step"), int)
-        and isinstance(fields.get("message", ""), str)
-        and isinstance(fields.get("data"), dict)
-        and fields["data"].keys() == {"round"}
-        and optional(fields["data"]["round"], int)
-        and fields["data"]["round"] is not None
-    )
+
+def _sample_or_event(line: bytes) -> JobEvent | StepSample:
+    sample = step_sample(line)
+    if sample is not None:
+        return sample
+    event = parse_line(line)
+    if event.kind is EventKind.PROGRESS and event.node is not None and event.step is not None:
+        return StepSample(event.time, event.node, event.step, int(event.data.get("round", 0)))
+    return event
 
 
 class _Damaged:
@@ -181,19 +202,18 @@ def tail(path: Path, count: int, nodes: Collection[str] = ()) -> Tail:
         """Whether ``line`` (the ``number``-th from the end) completes what is looked for."""
         if not line.strip():
             return False
-        progress = line.startswith(PROGRESS)
-        if progress and not (near and wanted):
+        if line.startswith(PROGRESS) and not (near and wanted):
             return False
         try:
-            event = parse_line(line)
+            event = _sample_or_event(line)
         except ValueError as exc:
             damaged.skip(f"line {number} from its end", exc)
             return False
-        if event.kind is EventKind.PROGRESS:
-            if event.node in wanted and event.step is not None:
+        if isinstance(event, StepSample):
+            if event.node in wanted:
                 found.steps[event.node] = event.step
                 wanted.discard(event.node)
-        elif len(recent) < count:
+        elif event.kind is not EventKind.PROGRESS and len(recent) < count:
             recent.append(event)
         return len(recent) >= count and not (near and wanted)
 

@@ -33,7 +33,7 @@ def write_report(run_dir: Path, output: Path | None = None, png: Path | None = N
 
     run_dir = rundir.run_dir(run_dir)
     summary = rundir.summary(run_dir)
-    told = course(rundir.read_events(run_dir), summary)
+    told = course(rundir.read_timeline(run_dir), summary)
     try:
         fig = plot.figure(told)
     except plot.MissingMatplotlib as exc:

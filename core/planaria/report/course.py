@@ -18,6 +18,7 @@ from typing import Generic, TypeVar
 
 from planaria.events import EventKind, JobEvent
 from planaria.master.timeline import Summary
+from planaria.rundir import StepSample
 
 
 @dataclass
@@ -159,9 +160,9 @@ class Course:
 FAULTS = (EventKind.FAULT_DETECTED, EventKind.HANG_DETECTED)
 
 
-def course(events: Iterable[JobEvent], summary: Summary | None = None) -> Course:
-    """The course of the job of ``events`` (read once, in order); ``summary`` adds the steps
-    around each fault."""
+def course(events: Iterable[JobEvent | StepSample], summary: Summary | None = None) -> Course:
+    """The course of the job of ``events`` (read once, in order: step samples as events or
+    as :class:`~planaria.rundir.StepSample`); ``summary`` adds the steps around each fault."""
     result = Course(job="", run_id="", start=0.0, end=0.0)
     origin: float | None = None
     """The first event's time: what times count from until the job's start is known."""
@@ -177,9 +178,13 @@ def course(events: Iterable[JobEvent], summary: Summary | None = None) -> Course
     chaos: float | None = None
     for event in events:
         if origin is None:
-            origin, result.job = event.time, event.job
+            origin = event.time
         t = event.time - origin
         result.end = t
+        if isinstance(event, StepSample):
+            samples.setdefault(event.node, Thinned()).add((event.round, Sample(t, event.step)))
+            continue
+        result.job = result.job or event.job
         kind = event.kind
         if kind is EventKind.PROGRESS:
             if event.node is not None and event.step is not None:
