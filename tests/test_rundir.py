@@ -103,3 +103,6 @@ def test_an_event_far_back_is_found_past_blocks_of_step_samples(tmp_path, monkey
         EventKind.RENDEZVOUS_COMPLETED,
     ]
     assert tail.steps["node-1"] > 0
+    monkeypatch.setattr(rundir, "EVENTS_WITHIN", 64 << 10)  # not that far back
+    tail = rundir.tail(run, 10, nodes=["node-1"])
+    assert tail.events == [] and tail.steps["node-1"] > 0

@@ -179,12 +179,16 @@ BLOCK = 1 << 20
 STEPS_WITHIN = 16 << 20
 """How far from its end :func:`tail` looks for a node's last step: a node silent for longer
 (one lost early in a long job) shows none, rather than the whole timeline being read."""
+EVENTS_WITHIN = 256 << 20
+"""How far from its end :func:`tail` looks for events: days of step samples of a job that
+checkpointed nothing and had no fault; what is further back is for ``planaria report``."""
 
 
 def tail(path: Path, count: int, nodes: Collection[str] = ()) -> Tail:
-    """The last ``count`` events that are no step samples, and the last step of each of
-    ``nodes``, read from the end of the timeline backwards: its size does not matter (a
-    block at a time; a block of step samples only is skipped unparsed). A damaged line is
+    """The last ``count`` events that are no step samples (within :data:`EVENTS_WITHIN` of
+    the end), and the last step of each of ``nodes`` (within :data:`STEPS_WITHIN`), read
+    from the end of the timeline backwards: its size does not matter (a block at a time; a
+    block of step samples only is skipped unparsed). A damaged line is
     skipped with a warning counting it from the end (``tail -n`` finds it)."""
     timeline = path / EVENTS_FILE
     found = Tail()
@@ -225,7 +229,7 @@ def tail(path: Path, count: int, nodes: Collection[str] = ()) -> Tail:
         while pos > 0 and not done:
             start = max(0, pos - BLOCK)
             near = end - start <= STEPS_WITHIN
-            if len(recent) >= count and not (near and wanted):
+            if (len(recent) >= count or end - pos >= EVENTS_WITHIN) and not (near and wanted):
                 break
             f.seek(start)
             buffer = f.read(pos - start) + carry
