@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from planaria import rundir
-from planaria.events import EventKind
+from planaria.events import EventKind, JobEvent, NodeFenced
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = importlib.util.spec_from_file_location("events_scale", ROOT / "benchmarks/events_scale.py")
@@ -106,3 +106,23 @@ def test_an_event_far_back_is_found_past_blocks_of_step_samples(tmp_path, monkey
     monkeypatch.setattr(rundir, "EVENTS_WITHIN", 64 << 10)  # not that far back
     tail = rundir.tail(run, 10, nodes=["node-1"])
     assert tail.events == [] and tail.steps["node-1"] > 0
+
+
+def test_a_line_too_long_to_be_an_event_is_skipped_unheld(tmp_path, monkeypatch):
+    """A damaged file without newlines costs no more memory than one line's limit."""
+    run = tmp_path / "run"
+    events_scale.write_run(run, 0.5, nodes=2, faults=1)
+    timeline = run / rundir.EVENTS_FILE
+    whole = rundir.events(run)
+    lines = timeline.read_bytes().splitlines(keepends=True)
+    event = JobEvent.of(NodeFenced(request="heartbeat"), job="bench", message="x" * 300_000)
+    long = event.model_dump_json().encode() + b"\n"  # an event, but longer than any is
+    for at in (len(lines) - 3, 40, 0):  # near the end, in the middle, first
+        lines.insert(at, long)
+    timeline.write_bytes(b"".join(lines))
+    monkeypatch.setattr(rundir, "LONGEST", 100_000)
+    monkeypatch.setattr(rundir, "BLOCK", 4096)
+    assert rundir.events(run) == whole
+    told = [e for e in whole if e.kind is not EventKind.PROGRESS]
+    assert rundir.tail(run, len(told) + 1).events == told
+    assert rundir.tail(run, 2).events == told[-2:]

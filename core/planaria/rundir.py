@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, TypeVar
+from typing import BinaryIO, NamedTuple, TypeVar
 
 from pydantic import ValidationError
 
@@ -70,7 +70,10 @@ def _read(path: Path, parse: Callable[[bytes], T]) -> Iterator[T]:
         raise RunDirError(f"cannot read {timeline}: {exc.strerror or exc}") from None
     damaged = _Damaged(timeline)
     with f:
-        for number, line in enumerate(f, start=1):
+        for number, line in enumerate(_lines(f), start=1):
+            if line is None:
+                damaged.skip(f"line {number}", ValueError(TOO_LONG))
+                continue
             if not line.strip():
                 continue
             try:
@@ -78,6 +81,23 @@ def _read(path: Path, parse: Callable[[bytes], T]) -> Iterator[T]:
             except ValueError as exc:
                 damaged.skip(f"line {number}", exc)
     damaged.done()
+
+
+LONGEST = 16 << 20
+"""A line longer than this is no event (the longest are a few kilobytes): it is skipped
+without being held, so that a damaged file without newlines costs no more memory."""
+TOO_LONG = f"longer than {LONGEST >> 20} MB, no event"
+
+
+def _lines(f: BinaryIO) -> Iterator[bytes | None]:
+    """Each line of ``f``; None for one longer than :data:`LONGEST`, read past."""
+    while line := f.readline(LONGEST + 1):
+        if len(line) > LONGEST and not line.endswith(b"\n"):
+            while line and not line.endswith(b"\n"):
+                line = f.readline(BLOCK)
+            yield None
+        else:
+            yield line
 
 
 def events(path: Path) -> list[JobEvent]:
@@ -225,15 +245,24 @@ def tail(path: Path, count: int, nodes: Collection[str] = ()) -> Tail:
         end = pos = f.seek(0, os.SEEK_END)
         carry = b""
         number = 0
-        done = False
+        done = skipping = False
         while pos > 0 and not done:
             start = max(0, pos - BLOCK)
             near = end - start <= STEPS_WITHIN
             if (len(recent) >= count or end - pos >= EVENTS_WITHIN) and not (near and wanted):
                 break
+            if len(carry) > LONGEST:  # no event: read past its start, not held
+                skipping, carry = True, b""
             f.seek(start)
             buffer = f.read(pos - start) + carry
             pos = start
+            if skipping:
+                cut = buffer.rfind(b"\n")
+                if cut < 0:
+                    continue
+                buffer, skipping = buffer[:cut], False
+                number += 1
+                damaged.skip(f"line {number} from its end", ValueError(TOO_LONG))
             lines = buffer.count(b"\n")
             if not (near and wanted) and lines and buffer.count(_PROGRESS_LINE) == lines:
                 carry = buffer[: buffer.index(b"\n")]  # all the rest: step samples
@@ -247,8 +276,11 @@ def tail(path: Path, count: int, nodes: Collection[str] = ()) -> Tail:
                 if take(piece, number, near):
                     done = True
                     break
-        if not done and pos == 0:
-            take(carry, number + 1, end <= STEPS_WITHIN)  # the first line of the file
+        if not done and pos == 0:  # the first line of the file
+            if skipping or len(carry) > LONGEST:
+                damaged.skip(f"line {number + 1} from its end", ValueError(TOO_LONG))
+            else:
+                take(carry, number + 1, end <= STEPS_WITHIN)
     damaged.done()
     found.events = recent[::-1]
     return found
