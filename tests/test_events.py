@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from planaria import rundir
 from planaria.events import (
     PAYLOADS,
     EventKind,
@@ -62,6 +63,26 @@ def test_a_payload_makes_its_event_and_comes_back_from_the_json_line(tmp_path):
     back = [JobEvent.from_line(line) for line in lines]
     assert back == seen
     assert back[0].payload == failed and back[0].node == "n1"
+
+
+def test_a_timeline_left_with_a_partial_line_is_appended_to_on_a_line_of_its_own(tmp_path):
+    """A master that died mid-write left half a line: the next master (a resume) starts its
+    events on a new line, so that the damage stays one line at the end of the old ones."""
+    path = tmp_path / "events.jsonl"
+    whole = JobEvent.of(Recovered(fault="hang", round=2, recovery_s=1.5), job="j")
+    half = JobEvent.of(Recovered(fault="hang", round=3, recovery_s=2.5), job="j")
+    text = half.model_dump_json()
+    path.write_text(whole.model_dump_json() + "\n" + text[: len(text) // 2])
+    timeline = Timeline(path, "j", lambda event: None)
+    later = timeline.emit(Recovered(fault="hang", round=4, recovery_s=3.5), "recovered")
+    timeline.close()
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3 and lines[1] == text[: len(text) // 2]
+    assert JobEvent.from_line(lines[0]) == whole and JobEvent.from_line(lines[2]) == later
+    assert rundir.events(tmp_path) == [whole, later]  # the half line skipped, with a warning
+
+    Timeline(path, "j", lambda event: None).close()  # a whole last line: nothing added
+    assert path.read_text().splitlines() == lines
 
 
 def test_nested_models_keep_their_fields():

@@ -1,7 +1,7 @@
 """``planaria report`` on the run directory of a real job through a worker kill and a node kill:
 the page tells both faults, their detection, restore and recovery with the figures
 ``planaria run`` printed, it loads nothing from the network, the picture is a PNG, and a
-damaged timeline is a clear error."""
+damaged line of the timeline is skipped with a warning."""
 
 from __future__ import annotations
 
@@ -137,23 +137,22 @@ def test_the_command_writes_the_page_and_a_png_where_asked(faulty_run, tmp_path)
 
 
 @pytest.mark.slow  # the job they share takes ~30 s
-def test_a_damaged_timeline_is_an_error_naming_the_file_and_line(faulty_run, tmp_path):
+def test_a_damaged_line_is_skipped_with_a_warning_naming_the_file_and_line(faulty_run, tmp_path):
     copy = tmp_path / "run"
     shutil.copytree(faulty_run[0], copy)
     timeline = copy / "events.jsonl"
     lines = timeline.read_text().splitlines()
     lines[2] = lines[2][: len(lines[2]) // 2]  # a line cut short
+    lines[4] = json.dumps({"kind": "no_such_kind", "job": "x", "time": 1.0})
     timeline.write_text("\n".join(lines) + "\n")
+    (copy / "report.html").unlink()
     result = report(str(copy))
-    assert result.returncode == 2
-    assert f"{timeline}, line 3: not JSON" in " ".join(result.stderr.split())
+    assert result.returncode == 0, result.stderr
+    said = " ".join(result.stderr.split())
+    assert f"{timeline}, line 3: not JSON" in said
+    assert f"{timeline}, line 5: not a job event (kind:" in said
     assert "Traceback" not in result.stderr
-
-    lines[2] = json.dumps({"kind": "no_such_kind", "job": "x", "time": 1.0})
-    timeline.write_text("\n".join(lines) + "\n")
-    result = report(str(copy))
-    assert result.returncode == 2
-    assert f"{timeline}, line 3: not a job event (kind:" in " ".join(result.stderr.split())
+    assert "node_lost" in (copy / "report.html").read_text()
 
 
 def test_a_directory_that_is_no_run_is_an_error(tmp_path):

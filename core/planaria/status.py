@@ -6,7 +6,8 @@ token (``token``, 0600) and the certificate an HTTPS master must show (``tls/cer
 by its fingerprint as agents pin it: the master may be bound to every interface, asked by any
 of its addresses).
 A master that does not answer there is gone: the journal then tells the job's last state, and
-the timeline each node's last step.
+the timeline each node's last step. Only the end of the timeline is read: the recent events
+and the last steps are there, and a long job's timeline is gigabytes.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pydantic import ValidationError
 
 from planaria import rundir
 from planaria.errors import PlanariaError
-from planaria.events import EventKind, JobEvent
+from planaria.events import JobEvent
 from planaria.master.journal import Journal, JournalError
 from planaria.master.runner import TOKEN_FILE
 from planaria.master.state import JobState
@@ -80,17 +81,18 @@ def view(run_dir: Path | None, master: str | None = None, recent: int = RECENT) 
             raise StatusError(f"--master without a run directory takes the token from {TOKEN_ENV}")
         return JobView(ask(master, token, None), running=True, source=master)
     url = master or master_url(where)
-    events = rundir.events(where)
     if url is not None:
         try:
             status = ask(url, token_of(where), where)
-            return JobView(status, running=True, source=url, events=_recent(events, recent))
+            events = rundir.tail(where, recent).events
+            return JobView(status, running=True, source=url, events=events)
         except MasterGone:
             if master is not None:
                 raise
-    return JobView(
-        ended(where, events), running=False, source=str(where), events=_recent(events, recent)
-    )
+    journalled = _journalled(where)
+    tail = rundir.tail(where, recent, nodes=journalled.nodes)
+    status = ended(where, tail.steps, journalled)
+    return JobView(status, running=False, source=str(where), events=tail.events)
 
 
 def master_url(run_dir: Path) -> str | None:
@@ -187,9 +189,10 @@ def _check_pin(url: str, run_dir: Path | None, expected: str, got: str) -> None:
         )
 
 
-def ended(run_dir: Path, events: list[JobEvent]) -> JobStatus:
-    """The job's last state from its journal; each node's last step from the timeline."""
-    journalled = _journalled(run_dir)
+def ended(run_dir: Path, steps: dict[str, int], journalled: Any = None) -> JobStatus:
+    """The job's last state from its journal; each node's last step as ``steps`` says (the
+    end of the timeline: :func:`planaria.rundir.tail`)."""
+    journalled = journalled or _journalled(run_dir)
     parts, meta = journalled.parts, journalled.meta
     job = parts.get("job") or {}
     spec = meta.get("spec") or {}
@@ -209,10 +212,6 @@ def ended(run_dir: Path, events: list[JobEvent]) -> JobStatus:
             f"resume it with planaria run --resume {run_dir}"
         )
         state = "master gone"
-    steps: dict[str, int] = {}
-    for event in events:
-        if event.kind is EventKind.PROGRESS and event.node is not None and event.step is not None:
-            steps[event.node] = event.step
     nodes = [
         NodeStatus(
             node_id=node_id,
@@ -245,7 +244,3 @@ def _journalled(run_dir: Path) -> Any:
         raise StatusError(str(exc)) from None
     journal.close()
     return journalled
-
-
-def _recent(events: list[JobEvent], count: int) -> list[JobEvent]:
-    return [e for e in events if e.kind is not EventKind.PROGRESS][-count:] if count else []

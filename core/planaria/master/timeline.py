@@ -140,17 +140,65 @@ def summary_rows(summary: Summary) -> list[Row]:
 
 
 FAULT_COLUMNS = ("fault", "class", "detail", "action", "restored from", "recovery", "steps lost")
+FIRST_FAULTS = 5
+LAST_FAULTS = 15
+"""A summary lists the first and the last faults, one row each; the faults between are one
+row that counts them by kind: a job through a thousand restarts prints a page, not a book."""
 
 
-def fault_rows(summary: Summary) -> list[tuple[str, ...]]:
-    """One row of :data:`FAULT_COLUMNS` a fault."""
-    rows: list[tuple[str, ...]] = []
+def fault_rows(
+    summary: Summary, first: int = FIRST_FAULTS, last: int = LAST_FAULTS
+) -> list[tuple[str, ...]]:
+    """One row of :data:`FAULT_COLUMNS` a fault: the ``first`` ones and the ``last`` ones,
+    and between them one row saying how many more there were, of which kinds."""
+    faults = summary.faults
+    if len(faults) <= first + last:
+        return [_fault_row(f) for f in faults]
+    between = faults[first : len(faults) - last]
+    more = f"... {len(between)} more faults: {_by_kind(between)}"
+    gap = ("...", "", more, "", "", "", "")
+    return [
+        *(_fault_row(f) for f in faults[:first]),
+        gap,
+        *(_fault_row(f) for f in faults[len(faults) - last :]),
+    ]
+
+
+def _fault_row(fault: Fault) -> tuple[str, ...]:
+    recovery = "-" if fault.recovery_s is None else f"{fault.recovery_s:.2f}s"
+    lost = "-" if fault.steps_lost is None else str(fault.steps_lost)
+    verdict = f"{fault.fault_class}: {fault.reason}" if fault.fault_class else "-"
+    restored = fault.restored_from or "-"
+    return (fault.kind, verdict, fault.detail, fault.action, restored, recovery, lost)
+
+
+def fault_kind(fault: Fault) -> str:
+    """``worker_failed (transient)``: what faults are counted by."""
+    return fault.kind + (f" ({fault.fault_class})" if fault.fault_class else "")
+
+
+def _by_kind(faults: list[Fault]) -> str:
+    counts: dict[str, int] = {}
+    for fault in faults:
+        counts[fault_kind(fault)] = counts.get(fault_kind(fault), 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    return ", ".join(f"{count} {kind}" for kind, count in ranked)
+
+
+FAULT_KIND_COLUMNS = ("fault", "count", "recovered", "mean recovery", "steps lost")
+
+
+def fault_kind_rows(summary: Summary) -> list[tuple[str, ...]]:
+    """The faults counted by kind (and class), most frequent first: one row a kind."""
+    kinds: dict[str, list[Fault]] = {}
     for fault in summary.faults:
-        recovery = "-" if fault.recovery_s is None else f"{fault.recovery_s:.2f}s"
-        lost = "-" if fault.steps_lost is None else str(fault.steps_lost)
-        verdict = f"{fault.fault_class}: {fault.reason}" if fault.fault_class else "-"
-        restored = fault.restored_from or "-"
-        rows.append((fault.kind, verdict, fault.detail, fault.action, restored, recovery, lost))
+        kinds.setdefault(fault_kind(fault), []).append(fault)
+    rows: list[tuple[str, ...]] = []
+    for kind, faults in sorted(kinds.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        took = [f.recovery_s for f in faults if f.recovery_s is not None]
+        lost = [f.steps_lost for f in faults if f.steps_lost is not None]
+        mean = f"{sum(took) / len(took):.2f}s" if took else "-"
+        rows.append((kind, str(len(faults)), str(len(took)), mean, str(sum(lost)) if lost else "-"))
     return rows
 
 
@@ -208,7 +256,8 @@ class Timeline:
         self.job = job
         self.observers = [observer]
         self.events: list[JobEvent] = []
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        terminate(fd)
         self._file = os.fdopen(fd, "a", buffering=1, encoding="utf-8")
 
     def emit(
@@ -234,3 +283,14 @@ class Timeline:
 
     def close(self) -> None:
         self._file.close()
+
+
+def terminate(fd: int) -> None:
+    """End the file of ``fd`` (open to read and append) with a newline if its last line has
+    none: a master that died mid-write left a partial line, and the next event must start on
+    a line of its own, not glue onto it (the damage would move into the middle of the
+    timeline, and take a good event with it). The partial line is kept, not cut off: it may
+    be a whole event that only lacks its newline; readers skip it if it is not."""
+    size = os.fstat(fd).st_size
+    if size and os.pread(fd, 1, size - 1) != b"\n":
+        os.write(fd, b"\n")

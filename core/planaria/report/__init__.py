@@ -32,9 +32,8 @@ def write_report(run_dir: Path, output: Path | None = None, png: Path | None = N
     from planaria.report import plot
 
     run_dir = rundir.run_dir(run_dir)
-    events = rundir.events(run_dir)
     summary = rundir.summary(run_dir)
-    told = course(events, summary)
+    told = course(rundir.read_timeline(run_dir), summary)
     try:
         fig = plot.figure(told)
     except plot.MissingMatplotlib as exc:

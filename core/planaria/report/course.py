@@ -3,21 +3,67 @@ detection, restart, restore and recovery, the checkpoints committed and the stra
 
 Pure: events in, a :class:`Course` out (times in seconds from the job's start), so that the
 picture (:mod:`planaria.report.plot`) and the page (:mod:`planaria.report.page`) only draw.
+The events are read once, as they come, and what is kept is bounded whatever the timeline's
+length (a week of step samples, a thousand restarts): the samples are thinned to a fixed
+number of points, and of the faults, rounds, stragglers and other events the last ones are
+kept (the first ones too, for the events) and the rest counted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from planaria.events import EventKind, JobEvent
 from planaria.master.timeline import Summary
+from planaria.rundir import StepSample
 
 
 @dataclass
 class Sample:
     time: float
     step: int
+
+
+POINTS = 400
+"""Step samples kept a node (and checkpoints kept), spread over the whole job."""
+INCIDENTS = 50
+"""Faults told one by one: the last ones; the others are counted by kind."""
+ROUNDS = 50
+STRAGGLERS = 50
+FIRST_EVENTS = 100
+LAST_EVENTS = 400
+"""Events listed: the first and the last ones; how many between them is said."""
+
+T = TypeVar("T")
+
+
+class Thinned(Generic[T]):
+    """At most ``limit`` items of a stream, evenly spread over it, and its last one: when
+    full, every other item goes and from then on only every other one comes in."""
+
+    def __init__(self, limit: int = POINTS) -> None:
+        self.limit = limit
+        self.kept: list[T] = []
+        self.stride = 1
+        self.seen = 0
+        self.last: T | None = None
+
+    def add(self, item: T) -> None:
+        if self.seen % self.stride == 0:
+            self.kept.append(item)
+            if len(self.kept) > self.limit:
+                self.kept = self.kept[::2]
+                self.stride *= 2
+        self.seen += 1
+        self.last = item
+
+    def items(self) -> list[T]:
+        if self.last is None or (self.kept and self.kept[-1] is self.last):
+            return list(self.kept)
+        return [*self.kept, self.last]
 
 
 @dataclass
@@ -92,7 +138,15 @@ class Course:
     first_step: float | None = None
     """When the first step was done (the summary's start-up)."""
     events: list[JobEvent] = field(default_factory=list)
-    """What happened, without the step samples."""
+    """What happened, without the step samples: the first :data:`FIRST_EVENTS` and the last
+    :data:`LAST_EVENTS`."""
+    events_left_out: int = 0
+    """Events between those two, not kept."""
+    faults: int = 0
+    """Every fault, told one by one in :attr:`incidents` or not."""
+    fault_kinds: dict[str, int] = field(default_factory=dict)
+    """Every fault counted by its kind (and class): ``worker_failed (transient)``."""
+    rounds_left_out: int = 0
 
     def nodes_seen(self) -> list[str]:
         """Every node that trained in a round or reported a step, in order of appearance."""
@@ -106,57 +160,125 @@ class Course:
 FAULTS = (EventKind.FAULT_DETECTED, EventKind.HANG_DETECTED)
 
 
-def course(events: Sequence[JobEvent], summary: Summary | None = None) -> Course:
-    """The course of the job of ``events``; ``summary`` adds the steps around each fault."""
-    start = next((e.time for e in events if e.kind is EventKind.JOB_STARTED), None)
-    if start is None:
-        start = events[0].time if events else 0.0
-    run_id = next(
-        (str(e.data.get("run_id")) for e in events if e.kind is EventKind.JOB_STARTED), ""
-    )
-    result = Course(
-        job=events[0].job if events else "",
-        run_id=run_id,
-        start=start,
-        end=(events[-1].time - start) if events else 0.0,
-    )
-    rounds: dict[str, int] = {}
+def course(events: Iterable[JobEvent | StepSample], summary: Summary | None = None) -> Course:
+    """The course of the job of ``events`` (read once, in order: step samples as events or
+    as :class:`~planaria.rundir.StepSample`); ``summary`` adds the steps around each fault."""
+    result = Course(job="", run_id="", start=0.0, end=0.0)
+    origin: float | None = None
+    """The first event's time: what times count from until the job's start is known."""
+    started: float | None = None
+    samples: dict[str, Thinned[tuple[int, Sample]]] = {}
+    checkpoints: Thinned[Sample] = Thinned()
+    incidents: deque[Incident] = deque(maxlen=INCIDENTS)
+    rounds: deque[Round] = deque(maxlen=ROUNDS)
+    stragglers: deque[Mark] = deque(maxlen=STRAGGLERS)
+    last_events: deque[JobEvent] = deque(maxlen=LAST_EVENTS)
+    kinds: Counter[str] = Counter()
+    seen_rounds = 0
     chaos: float | None = None
     for event in events:
-        t = event.time - start
+        if origin is None:
+            origin = event.time
+        t = event.time - origin
+        result.end = t
+        if isinstance(event, StepSample):
+            samples.setdefault(event.node, Thinned()).add((event.round, Sample(t, event.step)))
+            continue
+        result.job = result.job or event.job
         kind = event.kind
         if kind is EventKind.PROGRESS:
-            _sample(result, rounds, event, t)
+            if event.node is not None and event.step is not None:
+                thinned = samples.setdefault(event.node, Thinned())
+                thinned.add((int(event.data.get("round", 0)), Sample(t, event.step)))
             continue
-        result.events.append(event)
+        if len(result.events) < FIRST_EVENTS:
+            result.events.append(event)
+        else:
+            if len(last_events) == LAST_EVENTS:
+                result.events_left_out += 1
+            last_events.append(event)
+        if kind is EventKind.JOB_STARTED and started is None:
+            started = event.time
+            result.run_id = str(event.data.get("run_id", ""))
         if kind is EventKind.CHECKPOINT_COMMITTED and event.step is not None:
-            result.checkpoints.append(Sample(t, event.step))
+            checkpoints.add(Sample(t, event.step))
         elif kind is EventKind.FAULT_DETECTED and event.data.get("fault") == "chaos":
             chaos = t
         elif kind in FAULTS and not event.data.get("secondary"):
-            result.incidents.append(_incident(len(result.incidents) + 1, event, t, chaos))
+            result.faults += 1
+            incident = _incident(result.faults, event, t, chaos)
+            incidents.append(incident)
+            kinds[
+                incident.kind + (f" ({incident.fault_class})" if incident.fault_class else "")
+            ] += 1
             chaos = None
         elif kind is EventKind.STRAGGLER_DETECTED and not event.data.get("preflight"):
             ratio = float(event.data.get("ratio", 0.0))
-            result.stragglers.append(Mark(t, f"{_where(event)} ({ratio:.1f}x)"))
+            stragglers.append(Mark(t, f"{_where(event)} ({ratio:.1f}x)"))
         elif kind in (EventKind.JOB_FINISHED, EventKind.JOB_STOPPED):
             result.outcome = Mark(t, event.message)
         elif kind is EventKind.RENDEZVOUS_COMPLETED:
-            if result.rounds:
-                result.rounds[-1].end = t
+            if rounds:
+                rounds[-1].end = t
             ranks = {str(n): int(r) for n, r in dict(event.data.get("ranks", {})).items()}
             restore = str(event.data.get("restore", ""))
-            number = int(event.data.get("round", len(result.rounds) + 1))
-            result.rounds.append(Round(number, t, result.end, ranks, restore))
-            _follow_up(result.incidents, event, t)
+            seen_rounds += 1
+            number = int(event.data.get("round", seen_rounds))
+            rounds.append(Round(number, t, t, ranks, restore))
+            _follow_up(incidents, event, t)
         else:
-            _follow_up(result.incidents, event, t)
-    if result.rounds and result.outcome is not None:
-        result.rounds[-1].end = result.outcome.time
+            _follow_up(incidents, event, t)
+    result.events += last_events
+    result.incidents = list(incidents)
+    result.fault_kinds = dict(kinds.most_common())
+    result.rounds = list(rounds)
+    result.rounds_left_out = seen_rounds - len(rounds)
+    result.stragglers = list(stragglers)
+    result.checkpoints = checkpoints.items()
+    result.nodes = {node: _lines(thinned.items()) for node, thinned in samples.items()}
+    if result.rounds:
+        result.rounds[-1].end = result.end if result.outcome is None else result.outcome.time
+    if origin is not None:
+        result.start = origin if started is None else started
+        _shift(result, origin - result.start)
     if summary is not None:
         _steps_around(result, summary)
     result.job_steps = _job_steps(result)
     return result
+
+
+def _lines(samples: list[tuple[int, Sample]]) -> list[list[Sample]]:
+    """A node's samples, one line a round."""
+    lines: list[list[Sample]] = []
+    last: int | None = None
+    for round_, sample in samples:
+        if not lines or round_ != last:
+            lines.append([])
+            last = round_
+        lines[-1].append(sample)
+    return lines
+
+
+def _shift(result: Course, by: float) -> None:
+    """Count every time of ``result`` from ``by`` seconds later than it did (the job's start
+    was not its first event)."""
+    if by == 0:
+        return
+    result.end += by
+    samples = [s for lines in result.nodes.values() for line in lines for s in line]
+    for sample in (*samples, *result.checkpoints):
+        sample.time += by
+    for mark in (*result.stragglers, *([result.outcome] if result.outcome else [])):
+        mark.time += by
+    for r in result.rounds:
+        r.start += by
+        r.end += by
+    for i in result.incidents:
+        i.detected += by
+        for name in ("injected", "restarted", "restored", "recovered"):
+            value = getattr(i, name)
+            if value is not None:
+                setattr(i, name, value + by)
 
 
 def _job_steps(result: Course) -> list[list[Sample]]:
@@ -193,17 +315,6 @@ def _job_steps(result: Course) -> list[list[Sample]]:
     return lines
 
 
-def _sample(result: Course, rounds: dict[str, int], event: JobEvent, t: float) -> None:
-    if event.node is None or event.step is None:
-        return
-    round_ = int(event.data.get("round", 0))
-    lines = result.nodes.setdefault(event.node, [])
-    if not lines or rounds.get(event.node) != round_:
-        lines.append([])
-        rounds[event.node] = round_
-    lines[-1].append(Sample(t, event.step))
-
-
 def _where(event: JobEvent) -> str:
     if event.rank is not None:
         return f"rank {event.rank} on {event.node}"
@@ -223,7 +334,7 @@ def _incident(number: int, event: JobEvent, t: float, chaos: float | None) -> In
     )
 
 
-def _follow_up(incidents: list[Incident], event: JobEvent, t: float) -> None:
+def _follow_up(incidents: Iterable[Incident], event: JobEvent, t: float) -> None:
     """What ``event`` does for the faults before it: their restart, node, restore, recovery."""
     data = event.data
     if event.kind is EventKind.WORKERS_RESTARTED and data.get("cause") == "fault":

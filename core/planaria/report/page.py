@@ -1,6 +1,8 @@
 """The report as one HTML page: the picture inlined, the summary ``planaria run`` printed, each
 fault's story, and the timeline's events. Everything is in the file (style included): it
-opens offline and can be mailed as it is. Every text from the run is escaped."""
+opens offline and can be mailed as it is. Every text from the run is escaped. Its size is
+bounded whatever the run: the faults are counted by kind and the last ones listed, and the
+events listed are the first and the last ones."""
 
 from __future__ import annotations
 
@@ -11,13 +13,15 @@ from html import escape
 from planaria.events import JobEvent
 from planaria.master.timeline import (
     FAULT_COLUMNS,
+    FAULT_KIND_COLUMNS,
     STRAGGLER_COLUMNS,
     Summary,
+    fault_kind_rows,
     fault_rows,
     straggler_rows,
     summary_rows,
 )
-from planaria.report.course import Course, Incident
+from planaria.report.course import FIRST_EVENTS, Course, Incident
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1200px;
@@ -32,6 +36,9 @@ td.alarm { color: #b03a2e; font-weight: bold; }
 .muted { color: #777; }
 tr.fault td { background: #fdedec; } tr.recovered td { background: #e9f7ef; }
 """
+
+PAGE_FAULTS = 20
+"""The summary's faults listed on the page: the last ones (all are counted by kind)."""
 
 EVENT_CLASS = {
     "fault_detected": "fault",
@@ -63,14 +70,23 @@ def page(course: Course, summary: Summary | None, figure_svg: str | None, source
         )
     else:
         parts.append(_summary(summary))
-        faults = fault_rows(summary)
-        if faults:
-            parts += ["<h2>Faults</h2>", _table(FAULT_COLUMNS, faults)]
+        if summary.faults:
+            parts += ["<h2>Faults</h2>", _table(FAULT_KIND_COLUMNS, fault_kind_rows(summary))]
+            if len(summary.faults) > PAGE_FAULTS:
+                parts.append(f'<p class="muted">The last {PAGE_FAULTS} faults:</p>')
+            parts.append(_table(FAULT_COLUMNS, fault_rows(summary, 0, PAGE_FAULTS)))
         stragglers = straggler_rows(summary)
         if stragglers:
             parts += ["<h2>Stragglers</h2>", _table(STRAGGLER_COLUMNS, stragglers)]
     if course.incidents:
-        parts += ["<h2>Each fault, from the timeline</h2>", _incidents(course.incidents)]
+        parts.append("<h2>Each fault, from the timeline</h2>")
+        if course.faults > len(course.incidents):
+            kinds = ", ".join(f"{n} {kind}" for kind, n in course.fault_kinds.items())
+            parts.append(
+                f'<p class="muted">The last {len(course.incidents)} of {course.faults} faults '
+                f"({escape(kinds)}):</p>"
+            )
+        parts.append(_incidents(course.incidents))
     parts += ["<h2>Events</h2>", _events(course)]
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
@@ -140,7 +156,10 @@ def _incidents(incidents: list[Incident]) -> str:
 def _events(course: Course) -> str:
     html = ["<table><tr><th>at</th><th>kind</th><th>node</th><th>rank</th><th>step</th>"]
     html.append("<th>what</th></tr>")
-    for event in course.events:
+    for k, event in enumerate(course.events):
+        if course.events_left_out and k == FIRST_EVENTS:
+            left_out = f"... {course.events_left_out} more events: the timeline has them all"
+            html.append(f'<tr><td colspan="6" class="muted">{left_out}</td></tr>')
         html.append(_event_row(event, event.time - course.start))
     html.append("</table>")
     return "\n".join(html)

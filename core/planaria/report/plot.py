@@ -35,6 +35,9 @@ CHECKPOINT = "#7f8c8d"
 STRAGGLER = "#b7950b"
 MANY_NODES = 12
 """Beyond this many nodes their lines share one colour and the legend names none."""
+LABELLED = 10
+"""Faults and rounds whose marks are labelled (the last ones): more labels would only cover
+each other, and make the picture megabytes."""
 
 
 class MissingMatplotlib(ImportError):
@@ -106,7 +109,7 @@ def _steps(ax: Any, course: Course) -> None:
             color=CHECKPOINT,
         )
     top = _top(course)
-    for k, incident in enumerate(course.incidents):
+    for k, incident in enumerate(course.incidents[-LABELLED:]):
         ax.annotate(
             _headline(incident),
             xy=(incident.detected, top * (0.97 - 0.16 * (k % 3))),
@@ -132,10 +135,12 @@ def _nodes(ax: Any, course: Course, each: bool) -> None:
     number of nodes in each round."""
     ax.set_ylabel("nodes")
     ax.grid(axis="x", alpha=0.3)
+    labelled = {r.number for r in course.rounds[-LABELLED:]}
     if not each:
         for r in course.rounds:
             ax.broken_barh([(r.start, r.end - r.start)], (-0.3, 0.6), color="C0", alpha=0.5)
-            ax.text(r.start, 0, f" {len(r.ranks)} nodes", va="center", fontsize=7.5)
+            if r.number in labelled:
+                ax.text(r.start, 0, f" {len(r.ranks)} nodes", va="center", fontsize=7.5)
         ax.set_yticks([0], ["all"])
         return
     names = course.nodes_seen()
@@ -154,7 +159,8 @@ def _nodes(ax: Any, course: Course, each: bool) -> None:
                 alpha=0.35,
                 linewidth=0,
             )
-            ax.text(r.start, row[name], f" rank {r.ranks[name]}", va="center", fontsize=7)
+            if r.number in labelled:
+                ax.text(r.start, row[name], f" rank {r.ranks[name]}", va="center", fontsize=7)
         samples = [s for line in course.nodes.get(name, []) for s in line]
         ax.plot([s.time for s in samples], [row[name]] * len(samples), "|", color=colour, ms=9)
         if len(samples) <= 40:
@@ -217,8 +223,12 @@ def _lanes(ax: Any, course: Course) -> None:
                 color=colour,
             )
 
+    labelled = {i.number for i in course.incidents[-LABELLED:]}
     for i in course.incidents:
         below = i.number % 2 == 0
+        if i.number not in labelled:
+            _unlabelled(ax, row, i, course.end)
+            continue
         fault_at = i.injected if i.injected is not None else i.detected
         mark("fault", fault_at, FAULT, f"{i.number}: {i.kind}", "X", below)
         mark("detected", i.detected, DETECTED, f"{i.number}: {i.where}", below=below)
@@ -235,8 +245,9 @@ def _lanes(ax: Any, course: Course) -> None:
             mark("recovered", i.recovered, RECOVERED, took, below=below)
         span_end = i.recovered if i.recovered is not None else course.end
         ax.plot([fault_at, span_end], [row["fault"]] * 2, color=FAULT, alpha=0.4, linewidth=3)
-    for c in course.checkpoints:
-        ax.plot([c.time], [row["checkpoint"]], "^", color=CHECKPOINT, markersize=5)
+    if course.checkpoints:
+        at = [c.time for c in course.checkpoints]
+        ax.plot(at, [row["checkpoint"]] * len(at), "^", color=CHECKPOINT, markersize=5)
     for s in course.stragglers:
         mark("straggler", s.time, STRAGGLER, s.label, "D")
     if course.outcome is not None:
@@ -252,6 +263,19 @@ def _lanes(ax: Any, course: Course) -> None:
     ax.set_yticks(list(row.values()), list(row.keys()))
     ax.set_ylim(-0.7, len(LANES) - 0.3)
     ax.grid(axis="x", alpha=0.3)
+
+
+def _unlabelled(ax: Any, row: dict[str, int], i: Any, end: float) -> None:
+    """A fault's moments as marks only."""
+    fault_at = i.injected if i.injected is not None else i.detected
+    moments = [("fault", fault_at, FAULT), ("detected", i.detected, DETECTED)]
+    moments += [("restart", i.restarted, RESTART), ("restore", i.restored, RESTORE)]
+    moments += [("recovered", i.recovered, RECOVERED)]
+    for lane, at, colour in moments:
+        if at is not None:
+            ax.plot([at], [row[lane]], "o", color=colour, markersize=4)
+    span_end = i.recovered if i.recovered is not None else end
+    ax.plot([fault_at, span_end], [row["fault"]] * 2, color=FAULT, alpha=0.4, linewidth=3)
 
 
 def svg(fig: Figure) -> str:
