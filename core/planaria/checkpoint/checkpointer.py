@@ -427,10 +427,7 @@ class Checkpointer:
         if not self._ready:
             self._process.kill()
             self._process.wait()
-            self._process = None
-            with contextlib.suppress(OSError):
-                os.rmdir(self._tmpdir)
-            self._tmpdir = None
+            self._process = None  # the private directory goes at close()
             raise StorageError(f"the checkpoint persister did not start: {line!r}")
         return path
 
