@@ -317,3 +317,32 @@ def test_the_first_long_poll_of_a_round_is_held_for_part_of_the_interval_in_a_bi
             assert first >= 0.18 and first_of_2 >= 0.18, took
 
     asyncio.run(with_master(tmp_path, body))
+
+
+@pytest.mark.parametrize("first", [0, 1])
+def test_steps_done_counts_from_the_first_step_the_workers_reported(tmp_path, first):
+    """A script that numbers its 80 steps 1..80 did 80 steps, as one that numbers them 0..79:
+    the count starts at the first step its workers reported, not at 0."""
+
+    async def body(master, session, url):
+        for i in range(2):
+            reg = {"node_id": f"node-{i}", "host": f"h{i}", "addr": "127.0.0.1", "pid": 1}
+            async with session.post(url + "/register", json=reg, headers=AUTH) as r:
+                assert r.status == 200
+
+        async def join(i: int) -> dict:
+            req = {"node_id": f"node-{i}", "addr": "127.0.0.1", "port": 40000 + i}
+            async with session.post(url + "/rendezvous/join", json=req, headers=AUTH) as r:
+                return await r.json()
+
+        replies = await asyncio.gather(join(0), join(1))
+        leader = next(f"node-{i}" for i, r in enumerate(replies) if r["info"]["node_rank"] == 0)
+        for step in (first + 4, first + 79):  # the agent looks late: its first look is step 4
+            progress = [{"local_rank": 0, "step": step, "time": time.time(), "first_step": first}]
+            beat = {"node_id": leader, "round": 1, "activity": "running", "wait": False,
+                    "progress": progress, "first_step_time": time.time()}  # fmt: skip
+            async with session.post(url + "/heartbeat", json=beat, headers=AUTH) as r:
+                assert r.status == 200
+        assert master.summary().steps == 80
+
+    asyncio.run(with_master(tmp_path, body))

@@ -38,6 +38,8 @@ class CheckpointSpec(Message):
     """Committed steps that all fail verification stop the job instead of a fresh start."""
     allow_unpersisted_end: bool = False
     """A job whose last persist failed may still end as succeeded (the master's rule)."""
+    persister_timeout: float = 5.0
+    """The most seconds a save waits for the persister; one that does not answer is replaced."""
 
 
 class JobSpec(Message):

@@ -6,7 +6,10 @@ segments hold (the master picks the step every rank can restore), and at a fault
 persister write the agreed step. The persister is a separate process watching the agent: if the
 agent dies, it finishes what it was asked to persist, removes the node's segments and exits. If
 the persister dies first, the agent restarts it at once and reports it: the segments are files
-and survive it, and workers reconnect to the new one and hand it again what was pending.
+and survive it, and workers reconnect to the new one and hand it again what was pending. A
+persister that stops answering (stopped, or hung on its storage in the kernel) is pinged every
+``checkpoint.persister_timeout`` seconds, killed when a ping goes unanswered that long, and
+replaced the same way: a worker's save waits for it at most that long.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from planaria.checkpoint.env import (
     GENERATION_ENV,
     KEEP_LAST_ENV,
     PERSIST_EVERY_ENV,
+    PERSISTER_TIMEOUT_ENV,
     REQUIRE_RESTORE_ENV,
     RESTORE_ENV,
     SEGMENT_ENV,
@@ -67,6 +71,9 @@ class NodeCheckpoints:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._syncs: dict[str, threading.Event] = {}
+        self._hung: str | None = None
+        """Why the watchdog killed the persister (it stopped answering), for the event."""
+        self._watchdog: threading.Thread | None = None
 
     def segment(self, local_rank: int) -> Path:
         return self.directory / f"ckpt-{local_rank}"
@@ -81,6 +88,7 @@ class NodeCheckpoints:
             KEEP_LAST_ENV: str(self.spec.keep_last),
             PERSIST_EVERY_ENV: str(self.spec.persist_every),
             REQUIRE_RESTORE_ENV: "1" if self.spec.require_restore else "0",
+            PERSISTER_TIMEOUT_ENV: repr(self.spec.persister_timeout),
         }
 
     # -- the persister -------------------------------------------------------------------------
@@ -89,6 +97,40 @@ class NodeCheckpoints:
         self._spawn()
         self._supervisor = threading.Thread(target=self._supervise, name="persister", daemon=True)
         self._supervisor.start()
+        self._watchdog = threading.Thread(target=self._watch, name="persister-ping", daemon=True)
+        self._watchdog.start()
+
+    def _watch(self) -> None:
+        """Kill a persister that does not answer a ping within ``persister_timeout`` (the
+        supervisor then starts a new one). One still starting has no socket yet: that is no
+        hang; a stopped one's socket still accepts connections, and the ping times out."""
+        timeout = self.spec.persister_timeout
+        while not self._stopping.wait(timeout):
+            with self._lock:
+                proc = self._process
+            if proc is None or proc.poll() is not None:
+                continue
+            if self._answers(timeout):
+                continue
+            with self._lock:
+                if self._stopping.is_set() or proc is not self._process or proc.poll() is not None:
+                    continue
+                self._hung = f"stopped answering for {timeout:g}s (killed)"
+                log.warning("checkpoint persister stopped answering; killing it", pid=proc.pid)
+                proc.kill()
+
+    def _answers(self, timeout: float) -> bool:
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(timeout)
+                sock.connect(str(self.socket_path))
+                with sock.makefile("rb") as reader:
+                    persister.ask(sock, reader, {"op": "ping"}, "pong")
+        except TimeoutError:
+            return False
+        except (OSError, ValueError):  # not listening yet, or dying: the supervisor's case
+            return True
+        return True
 
     def _spawn(self) -> None:
         read_fd, write_fd = os.pipe()
@@ -124,7 +166,8 @@ class NodeCheckpoints:
             code = proc.wait()
             if self._stopping.is_set():
                 return
-            why = _describe(code)
+            with self._lock:
+                why, self._hung = self._hung or _describe(code), None
             quick = quick + 1 if time.monotonic() - started < QUICK_DEATH else 0
             if self._stopping.wait(min(30.0, 2.0 ** (quick - 1)) if quick else 0.0):
                 return
@@ -192,7 +235,7 @@ class NodeCheckpoints:
                 log.warning("persister did not stop; killing it", pid=proc.pid)
                 proc.kill()
                 proc.wait()
-        for thread in [self._supervisor, *self._readers]:
+        for thread in [self._supervisor, self._watchdog, *self._readers]:
             if thread is not None:
                 thread.join(timeout=5)
         remove_segments(self.prefix)

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,12 @@ import torch
 
 from planaria import monitor, process
 from planaria.checkpoint import persister
+from planaria.checkpoint.device import Device, Done, device_for
 from planaria.checkpoint.env import (
     GENERATION_ENV,
     KEEP_LAST_ENV,
     PERSIST_EVERY_ENV,
+    PERSISTER_TIMEOUT_ENV,
     REQUIRE_RESTORE_ENV,
     RESTORE_ENV,
     SEGMENT_ENV,
@@ -32,7 +35,7 @@ from planaria.checkpoint.env import (
 from planaria.checkpoint.layout import Layout, TensorEntry, dtype_of, plan, rebuild
 from planaria.checkpoint.persisted import Manifest, PersistedCheckpoints, ShardRecord
 from planaria.checkpoint.persister import SOCKET_DIR_PREFIX
-from planaria.checkpoint.segment import SHM_DIR, Segment, SegmentError
+from planaria.checkpoint.segment import SHM_DIR, SLOTS, Segment, SegmentBusyError, SegmentError
 from planaria.errors import CheckpointCorruptError, CheckpointRestoreError, StorageError
 from planaria.log import get_logger
 from planaria.shm import make_temp_dir, remove_dir
@@ -42,6 +45,25 @@ log = get_logger("checkpoint")
 
 META_RESERVE = 1 << 20
 """Room for the metadata beyond what the first save needs (it grows a little with the step)."""
+PERSISTER_TIMEOUT = 5.0
+"""The most seconds a save waits for the persister, by default."""
+
+
+@dataclass
+class _Copy:
+    """A save whose copies are enqueued: its slot stays held until they are done."""
+
+    step: int
+    segment: Segment
+    slot: int
+    held: contextlib.ExitStack
+    dones: list[Done]
+    devices: list[Device]
+    data_len: int
+    meta: bytes
+    rank: int
+    world: int
+    persist: bool | None
 
 
 def storage_spec(target: str | os.PathLike[str] | dict[str, Any]) -> dict[str, Any]:
@@ -70,6 +92,13 @@ class Checkpointer:
     ``require_restore`` (default: the job's ``checkpoint.require_restore``): when committed steps
     exist but none verifies, :meth:`load` raises :class:`CheckpointRestoreError` instead of
     returning None (a start from scratch).
+
+    ``persister_timeout`` (default: the job's ``checkpoint.persister_timeout``, else 5 s): the
+    most a save waits for the persister; one that does not answer is replaced (standalone by
+    this checkpointer, under ``planaria run`` by the agent) and training goes on.
+
+    ``device``: the :class:`~planaria.checkpoint.device.Device` that copies every tensor (a
+    test's fake); by default each tensor's own device's.
     """
 
     def __init__(
@@ -79,6 +108,8 @@ class Checkpointer:
         keep_last: int | None = None,
         persist_every: int | None = None,
         require_restore: bool | None = None,
+        persister_timeout: float | None = None,
+        device: Device | None = None,
     ) -> None:
         env_storage = os.environ.get(STORAGE_ENV)
         if storage is None and env_storage is None:
@@ -93,6 +124,19 @@ class Checkpointer:
         if require_restore is None:
             require_restore = os.environ.get(REQUIRE_RESTORE_ENV, "") == "1"
         self.require_restore = require_restore
+        if persister_timeout is None:
+            persister_timeout = float(
+                os.environ.get(PERSISTER_TIMEOUT_ENV, "") or PERSISTER_TIMEOUT
+            )
+        if not persister_timeout > 0:
+            raise ValueError(f"persister_timeout must be > 0 seconds, not {persister_timeout}")
+        self.persister_timeout = persister_timeout
+        self._device = device
+        self._lost = False
+        """Under ``planaria run``: the persister stopped answering; the next connection hands
+        the agent's new one what was pending."""
+        self._copying: _Copy | None = None
+        """The save whose copies are enqueued and not yet known done (``blocking=False``)."""
         self.managed = SOCKET_ENV in os.environ and SEGMENT_ENV in os.environ
         self._segment: Segment | None = None
         self._announced: Segment | None = None
@@ -109,12 +153,14 @@ class Checkpointer:
         self._store: PersistedCheckpoints | None = None
         self._sock: socket.socket | None = None
         self._reader: Any = None
-        self._pending: collections.deque[int] = collections.deque(maxlen=2)
+        self._pending: collections.deque[int] = collections.deque(maxlen=3)
         """Steps handed to the persister since it last said ``idle``: a restarted persister
-        is asked for them again (older ones are no longer in memory: two slots)."""
+        is asked for them again (older ones are no longer in memory: three slots)."""
         self._rejected: dict[int, str] = {}
         """Committed steps a restore rejected, and why (the persister never counts them)."""
         self._process: subprocess.Popen[bytes] | None = None
+        self._ready = False
+        """Standalone: whether the persister said it serves its socket."""
         self._tmpdir: str | None = None
         self._private: Path | None = None
         """Standalone: this checkpointer's own 0700 directory in /dev/shm (segment, socket)."""
@@ -154,8 +200,22 @@ class Checkpointer:
     def prepare(self, state: Any) -> None:
         """Allocate and pre-fault the shared memory for ``state``'s layout in the background,
         so that the first :meth:`save` copies at memory speed. Optional."""
+        self.wait_copy()
         layout = plan(state)
-        self._ensure_segment(layout, len(_meta_bytes(layout, 0)), background=True)
+        segment = self._ensure_segment(layout, len(_meta_bytes(layout, 0)), background=True)
+        for device in self._devices(layout.tensors):
+            segment.register_host(device, background=True)
+
+    def _devices(self, tensors: list[torch.Tensor]) -> list[Device]:
+        """The devices that copy these tensors, in order of first use."""
+        if self._device is not None:
+            return [self._device]
+        found: dict[tuple[str, int | None], Device] = {}
+        for tensor in tensors:
+            key = (tensor.device.type, tensor.device.index)
+            if key not in found:
+                found[key] = device_for(tensor.device)
+        return list(found.values())
 
     def _ensure_segment(self, layout: Layout, meta_len: int, *, background: bool) -> Segment:
         needed = layout.data_bytes + meta_len
@@ -184,10 +244,20 @@ class Checkpointer:
             self._prefault_after_save = True
         return self._segment
 
-    def save(self, step: int, state: Any, persist: bool | None = None) -> None:
+    def save(
+        self, step: int, state: Any, persist: bool | None = None, blocking: bool = True
+    ) -> None:
         """Copy ``state`` into shared memory (training blocks only for this copy), report the
         step to the agent, and hand it to the persister when ``persist`` (default: every
-        ``persist_every`` steps)."""
+        ``persist_every`` steps).
+
+        ``blocking=False``: enqueue the copies of device tensors on a side stream and return at
+        once; the save completes (the step is published in memory, reported and handed to the
+        persister) once they are done, which the next :meth:`save`, :meth:`wait_copy`,
+        :meth:`wait`, :meth:`load` or :meth:`close` waits for. Nothing may change the state's
+        tensors meanwhile: :meth:`guard` makes the optimizer (and the modules given) wait.
+        Tensors in host memory are copied before it returns, as with ``blocking=True``."""
+        self.wait_copy()
         layout = plan(state)
         signature = layout.signature()
         same = signature == self._signature
@@ -197,8 +267,16 @@ class Checkpointer:
         segment = self._ensure_segment(layout, len(meta), background=False)
         if not same or segment is not self._views_segment:
             self._signature, self._views_segment, self._views = signature, segment, {}
-        rank, world = self.rank, self.world
-        with segment.writing() as (slot, view):
+        held = contextlib.ExitStack()
+        try:
+            slot, view = held.enter_context(segment.writing(self.persister_timeout))
+        except SegmentBusyError as exc:
+            # The persister holds every other slot and stopped answering: training goes on,
+            # the newest step in memory stays; the persister is being replaced.
+            log.warning("save skipped: the persister holds the memory", step=step, error=str(exc))
+            monitor.step(step)
+            return
+        try:
             # The same layout as the last save (the usual case): reuse the slot's views.
             targets = self._views.get(slot)
             if targets is None:
@@ -208,26 +286,95 @@ class Checkpointer:
                     else None
                     for e in layout.entries
                 ]
+            devices: dict[int, Device] = {}
+            fixed = self._device
             for target, tensor in zip(targets, layout.tensors, strict=True):
-                if target is not None:
+                if target is None:
+                    continue
+                if fixed is None and tensor.is_cpu:
                     target.copy_(tensor)
+                    continue
+                device = fixed or device_for(tensor.device)
+                if id(device) not in devices:
+                    devices[id(device)] = device
+                    device.start()
+                device.copy(target, tensor)
+            dones = [device.finish() for device in devices.values()]
+        except BaseException:
+            held.close()
+            raise
+        self._copying = _Copy(
+            step,
+            segment,
+            slot,
+            held,
+            dones,
+            list(devices.values()),
+            layout.data_bytes,
+            meta,
+            self.rank,
+            self.world,
+            persist,
+        )
+        if blocking or all(done.query() for done in dones):
+            self.wait_copy()
+
+    def wait_copy(self) -> None:
+        """Wait until the copies of a ``save(..., blocking=False)`` are done, and complete
+        that save (publish the step in memory, report it, hand it to the persister)."""
+        copy, self._copying = self._copying, None
+        if copy is None:
+            return
+        segment = copy.segment
+        try:
+            for done in copy.dones:
+                done.wait()
             segment.publish(
-                slot,
-                step=step,
-                rank=rank,
-                world=world,
-                data_len=layout.data_bytes,
-                meta=meta,
+                copy.slot,
+                step=copy.step,
+                rank=copy.rank,
+                world=copy.world,
+                data_len=copy.data_len,
+                meta=copy.meta,
             )
+        finally:
+            copy.held.close()
         self._wrote = True
         if self._prefault_after_save:
             self._prefault_after_save = False
-            segment.prefault(fresh=True, background=True, slots=(1,))
+            segment.prefault(fresh=True, background=True, slots=tuple(range(1, SLOTS)))
+        for device in copy.devices:  # in the background, off the training path
+            segment.register_host(device, background=True)
+        persist = copy.persist
         if persist is None:
-            persist = self.persist_every > 0 and step % self.persist_every == 0
+            persist = self.persist_every > 0 and copy.step % self.persist_every == 0
         if persist:
-            self._persist(step)
-        monitor.step(step)
+            self._persist(copy.step)
+        monitor.step(copy.step)
+
+    def guard(self, optimizer: Any, *modules: Any) -> list[Any]:
+        """Keep an overlapped save (``blocking=False``) consistent: ``optimizer.step()`` and
+        the forward pass of each of ``modules`` run only after the pending save's copies (on a
+        GPU the device orders them, the host does not wait). The optimizer changes the
+        parameters and its state; a forward pass changes buffers such as BatchNorm's running
+        statistics: pass the model for those. Returns the hooks' handles (``.remove()``)."""
+
+        def before(*_: Any) -> None:
+            self._order_copy()
+
+        handles = [optimizer.register_step_pre_hook(before)]
+        handles.extend(module.register_forward_pre_hook(before) for module in modules)
+        return handles
+
+    def _order_copy(self) -> None:
+        copy = self._copying
+        if copy is None:
+            return
+        if all(done.query() for done in copy.dones):
+            self.wait_copy()  # done already: complete it now, for free
+            return
+        for done in copy.dones:
+            done.order()
 
     # -- the persister -------------------------------------------------------------------------
 
@@ -236,7 +383,9 @@ class Checkpointer:
             return
         path = os.environ[SOCKET_ENV] if self.managed else self._start_persister()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        deadline = time.monotonic() + 30  # the node's persister may be (re)starting
+        # The node's persister may be (re)starting; once training runs, not for longer than a
+        # save may wait for it.
+        deadline = time.monotonic() + (self.persister_timeout if self._lost else 30)
         while True:
             try:
                 sock.connect(path)
@@ -266,54 +415,118 @@ class Checkpointer:
         self._announced = self._segment
 
     def _start_persister(self) -> str:
+        if self._process is None:
+            self._spawn_persister()
+        assert self._process is not None and self._process.stdout is not None
+        path = self._socket_path()
+        if self._ready:
+            return path
+        ready, _, _ = select.select([self._process.stdout], [], [], 60)
+        line = self._process.stdout.readline() if ready else b""
+        self._ready = line.strip() == b"ready"
+        if not self._ready:
+            self._process.kill()
+            self._process.wait()
+            self._process = None  # the private directory goes at close()
+            raise StorageError(f"the checkpoint persister did not start: {line!r}")
+        return path
+
+    def _spawn_persister(self) -> None:
+        """Start the persister, without waiting for it to be ready (:meth:`_start_persister`
+        does, at its first use)."""
         assert self._private is not None
         self._tmpdir = str(self._private)
-        path = os.path.join(self._tmpdir, "persister.sock")
         # It follows this process itself (--parent), to finish a persist first.
         self._process = process.popen(
-            persister.command(path, self.spec, self.keep_last, str(self.segment_path)),
+            persister.command(
+                self._socket_path(), self.spec, self.keep_last, str(self.segment_path)
+            ),
             die_with_parent=False,
             stdout=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
         )
-        assert self._process.stdout is not None
-        ready, _, _ = select.select([self._process.stdout], [], [], 60)
-        line = self._process.stdout.readline() if ready else b""
-        if line.strip() != b"ready":
-            self._process.kill()
-            self._process.wait()
-            self._process = None
-            with contextlib.suppress(OSError):
-                os.rmdir(self._tmpdir)
-            self._tmpdir = None
-            raise StorageError(f"the checkpoint persister did not start: {line!r}")
-        return path
+        self._ready = False
 
-    def _ask(self, message: dict[str, Any], expect: str) -> dict[str, Any]:
-        """One request; :class:`ConnectionError` if the persister is gone."""
+    def _ask(
+        self,
+        message: dict[str, Any],
+        expect: str,
+        timeout: float | None = -1.0,
+        *,
+        sent: bool = False,
+    ) -> dict[str, Any]:
+        """One request, answered within ``timeout`` (default :attr:`persister_timeout`; None:
+        no limit); :class:`ConnectionError` if the persister is gone, :class:`TimeoutError` if
+        it does not answer (the connection is dropped: a late answer would be misread)."""
         assert self._sock is not None
+        self._sock.settimeout(self.persister_timeout if timeout == -1.0 else timeout)
         try:
-            return persister.ask(self._sock, self._reader, message, expect)
+            return persister.ask(self._sock, self._reader, message, expect, send=not sent)
         except ConnectionError:
+            raise
+        except TimeoutError:
+            self._drop()
             raise
         except OSError as exc:
             raise StorageError(str(exc)) from exc
 
-    def _request(self, message: dict[str, Any], expect: str) -> dict[str, Any]:
-        """One request. Under ``planaria run`` a persister that died is restarted by the
-        agent: reconnect, hand the new one what the old one had, and ask again."""
+    def _request(
+        self,
+        message: dict[str, Any],
+        expect: str,
+        timeout: float | None = -1.0,
+        *,
+        sent: bool = False,
+    ) -> dict[str, Any]:
+        """One request. A persister that stopped answering is replaced (standalone here,
+        under ``planaria run`` by the agent) and the request is not waited for any longer.
+        Under ``planaria run`` a persister that died is restarted by the agent: reconnect,
+        hand the new one what the old one had, and ask again."""
         try:
-            return self._ask(message, expect)
+            return self._ask(message, expect, timeout, sent=sent)
+        except TimeoutError as exc:
+            self._hung(message)
+            raise StorageError(
+                f"the checkpoint persister did not answer within {self.persister_timeout:g}s"
+            ) from exc
         except ConnectionError as exc:
             if not self.managed:
                 raise StorageError(str(exc)) from exc
             log.warning("the persister went away; reconnecting", error=str(exc))
             try:
                 self._reconnect()
-                return self._ask(message, expect)
+                return self._ask(message, expect, timeout)
             except OSError as again:  # ConnectionError included
                 self._drop()
                 raise StorageError(f"the node's persister is gone: {again}") from again
+
+    def _hung(self, message: dict[str, Any]) -> None:
+        """The persister stopped answering (stopped, or hung in the kernel on its storage)."""
+        if self.managed:
+            log.warning(
+                "the node's persister stopped answering; its agent replaces it",
+                op=message.get("op"),
+                timeout=self.persister_timeout,
+            )
+            self._lost = True
+            return
+        old = self._process
+        log.warning(
+            "the checkpoint persister stopped answering; replacing it",
+            op=message.get("op"),
+            timeout=self.persister_timeout,
+            pid=old.pid if old is not None else None,
+        )
+        self._drop()
+        if old is not None:
+            old.kill()  # SIGKILL ends a stopped process too; its locks go with it
+            old.wait()
+            self._process = None
+        try:  # started now, connected to at the next persist or wait: nobody waits for it
+            self._spawn_persister()
+        except OSError as exc:
+            log.warning("cannot start a new checkpoint persister", error=str(exc))
+        self._lost = True
 
     def _drop(self) -> None:
         if self._sock is not None:
@@ -341,13 +554,20 @@ class Checkpointer:
                 )
 
     def _persist(self, step: int) -> None:
+        # Pending from now on: a persister replaced before it answers is asked again.
+        self._pending.append(step)
         try:
+            if self._lost and self._sock is None:
+                self._reconnect()
+                self._lost = False
+                return  # handed over with what was pending
             self._connect()
             if self._announced is not self._segment:  # a new (larger) segment replaced it
                 self._hello()
             self._request({"op": "persist", "step": step}, "pinned")
-            self._pending.append(step)
         except (OSError, StorageError) as exc:
+            if self._sock is None and self.managed:
+                self._lost = True
             log.warning("cannot persist", step=step, error=str(exc))
 
     def wait(self) -> None:
@@ -356,15 +576,57 @@ class Checkpointer:
         a warning, because the persister reported it to the job already, whose end says
         whether its last step was persisted (``checkpoint.allow_unpersisted_end``): a
         failed persist is no reason to restart the workers."""
+        self.wait_copy()
+        if self._lost and self._sock is None and self._pending:
+            with contextlib.suppress(OSError, StorageError):
+                self._reconnect()
+                self._lost = False
         if self._sock is None:
             return
-        reply = self._request({"op": "wait"}, "idle")
+        reply = self._wait_idle()
         self._pending.clear()
         if reply.get("errors"):
             message = "persisting failed: " + "; ".join(reply["errors"])
             if not self.managed:
                 raise StorageError(message)
             log.warning("persisting failed; the job's timeline has it", errors=reply["errors"])
+
+    def _wait_idle(self) -> dict[str, Any]:
+        """``wait``, as long as persisting takes, but not on a persister that stopped
+        answering: every :attr:`persister_timeout` without an answer it is pinged on a
+        connection of its own; one that does not answer is replaced (standalone here, under
+        ``planaria run`` by the agent, which ends this connection) and asked again."""
+        message = {"op": "wait"}
+        while True:
+            assert self._sock is not None
+            try:
+                self._sock.settimeout(None)
+                self._sock.sendall(json.dumps(message).encode() + b"\n")
+                while not select.select([self._sock], [], [], self.persister_timeout)[0]:
+                    if not self._answers_ping() and not self.managed:
+                        raise TimeoutError("no answer to a ping")
+                return self._request(message, "idle", None, sent=True)
+            except TimeoutError:
+                self._hung(message)
+                self._reconnect()  # the new one is asked what the old one had, and waited for
+                self._lost = False
+            except ConnectionError:
+                return self._request(message, "idle", None)  # reconnects under planaria run
+
+    def _answers_ping(self) -> bool:
+        path = os.environ[SOCKET_ENV] if self.managed else self._socket_path()
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(self.persister_timeout)
+                sock.connect(path)
+                with sock.makefile("rb") as reader:
+                    persister.ask(sock, reader, {"op": "ping"}, "pong")
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def _socket_path(self) -> str:
+        return os.path.join(self._tmpdir or "", "persister.sock")
 
     def _report(self, event: str, **fields: Any) -> None:
         """Tell the job (through the node's persister) how the restore went."""
@@ -378,6 +640,13 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for pending persists; standalone, stop the persister and free the memory."""
+        try:
+            self.wait_copy()
+        except Exception as exc:  # the memory is freed all the same
+            log.warning("the last save did not complete", error=str(exc))
+            copy, self._copying = self._copying, None
+            if copy is not None:
+                copy.held.close()
         with contextlib.suppress(StorageError, OSError):
             self.wait()
         if self._sock is not None:
@@ -416,6 +685,7 @@ class Checkpointer:
         it, else the newest committed step that verifies. Tensors of ``state`` (a template,
         e.g. ``{"model": model.state_dict(), ...}``) are filled in place; others are new.
         None when there is nothing to restore."""
+        self.wait_copy()
         started = time.perf_counter()
         self.restored_from = None
         step = self._memory_step()
@@ -485,10 +755,25 @@ class Checkpointer:
             meta = segment.meta(info)
             entries = [TensorEntry.from_json(e) for e in meta["tensors"]]
             reads: list[tuple[torch.Tensor, int]] = []
+            devices: dict[int, Device] = {}
 
             def tensor(index: int, old: Any) -> Any:
                 entry = entries[index]
                 target = _target(old, entry)
+                if (
+                    target is not None
+                    and entry.nbytes
+                    and (self._device is not None or not target.is_cpu)
+                ):
+                    # Into device memory: from the registered segment, on the side stream.
+                    device = self._device or device_for(target.device)
+                    if id(device) not in devices:
+                        devices[id(device)] = device
+                        segment.register_host(device, background=False)
+                        device.start()
+                    raw = segment.tensor(info, entry.offset, entry.nbytes)
+                    device.copy(target, raw.view(dtype_of(entry.dtype)).view(entry.shape))
+                    return old
                 if (
                     not self._wrote  # a restarted worker: nothing of the segment mapped here
                     and target is not None
@@ -501,8 +786,12 @@ class Checkpointer:
                 raw = segment.tensor(info, entry.offset, entry.nbytes)
                 return _fill(raw, entry, old)
 
-            restored = rebuild(meta["tree"], tensor, template)
-            segment.read_into(info, reads)
+            try:
+                restored = rebuild(meta["tree"], tensor, template)
+                segment.read_into(info, reads)
+            finally:
+                for device in devices.values():  # one wait each, while the slot is held
+                    device.finish().wait()
             return restored
 
     def _load_storage(self, template: Any) -> tuple[int, Any] | None:

@@ -9,6 +9,7 @@ its own. Workers talk to it over a Unix socket in JSON lines::
     -> {"op": "wait"}                      <- {"op": "idle", "errors": [...]}
     -> {"op": "report", "event": "checkpoint_skipped", "step": 20, ...}   <- {"op": "reported"}
     -> {"op": "sync", "token": "..."}      <- {"op": "synced"}
+    -> {"op": "ping"}                      <- {"op": "pong"}
 
 ``storage`` (``{backend, options}``, and ``keep_last``) is optional: a worker whose script names its
 own storage brings it; otherwise the storage this persister was started with is used. The choice
@@ -65,6 +66,8 @@ named so; the persister removes it when it exits, also when the trainer was kill
 
 STOP_GRACE = 5.0
 """At exit, how long steps still waiting for another rank's shard may wait, all together."""
+SHARDS_REMEMBERED = 1024
+"""How many shards written here are remembered, to join a second persist of the same one."""
 REPORTS = ("checkpoint_skipped", "started_from_scratch")
 """What a worker may report through its persister (its restore's outcome)."""
 
@@ -86,6 +89,7 @@ class _Connection:
     outstanding: int = 0
     commits: set[int] = field(default_factory=set)
     errors: list[str] = field(default_factory=list)
+    closed: bool = False
     lock: threading.Condition = field(default_factory=threading.Condition)
 
 
@@ -107,6 +111,11 @@ class Persister:
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self._connections: list[_Connection] = []
+        self._shards: dict[tuple[int, int, int], None] = {}
+        """(store, step, rank) of every shard written or being written here: a second persist
+        of the same shard (at a fault, by the agent, of a step the worker persisted) joins the
+        first instead of writing into a partial step that its commit may be renaming."""
+        self._shards_lock = threading.Lock()
 
     # -- events ----------------------------------------------------------------------------
 
@@ -132,6 +141,9 @@ class Persister:
                 break
             sock.settimeout(None)
             conn = _Connection(sock)
+            # Forget connections and threads that ended (an agent pings every few seconds).
+            self._connections = [c for c in self._connections if not c.closed]
+            self._threads = [t for t in self._threads if t.is_alive()]
             self._connections.append(conn)
             for target, name in ((self._receive, "receive"), (self._persist_loop, "persist")):
                 thread = threading.Thread(target=target, args=(conn,), name=name, daemon=True)
@@ -172,6 +184,8 @@ class Persister:
                     threading.Thread(target=self._wait, args=(conn,), daemon=True).start()
                 elif op == "report":
                     self._report(conn, request)
+                elif op == "ping":  # whether this process still answers (its agent asks)
+                    self._send(conn, {"op": "pong"})
                 elif op == "sync":
                     self.emit("synced", token=str(request.get("token", "")))
                     self._send(conn, {"op": "synced"})
@@ -180,6 +194,7 @@ class Persister:
         except OSError:
             pass
         finally:
+            conn.closed = True
             conn.work.put(None)
 
     def _store_for(self, path: str, spec: Any, keep_last: Any) -> PersistedCheckpoints:
@@ -262,7 +277,17 @@ class Persister:
         segment, store = conn.segment, conn.store
         assert segment is not None and store is not None
         started = time.time()
+        shard = (id(store), info.step, info.rank)
+        with self._shards_lock:
+            duplicate = shard in self._shards
+            self._shards[shard] = None
+            if len(self._shards) > SHARDS_REMEMBERED:
+                del self._shards[next(iter(self._shards))]
+        written = False
         try:
+            if duplicate:
+                log.info("shard persisted here already; not written again", step=info.step)
+                return
             if store.usable(info.step):
                 # Committed already (a persist at fault of a persisted step, or a run that
                 # resumed into the same storage): the committed copy stays untouched. One that
@@ -280,13 +305,19 @@ class Persister:
                 bytes=record.size,
                 seconds=round(time.time() - started, 4),
             )
+            written = True
             if info.rank == 0:
                 with conn.lock:
                     conn.commits.add(info.step)
-                done = self._commit_done(conn, info.step)
+                done = self._commit_done(conn, info.step, shard)
                 commit = Commit(store, info.step, info.world, done, generation=conn.generation)
                 self._committer.submit(commit)
         except (OSError, PlanariaError, ValueError) as exc:
+            if not written and store.usable(info.step):
+                # Committed while this copy was being written (its partial step renamed away
+                # under it): the step is durable, nothing failed.
+                log.info("step committed meanwhile; not persisted again", step=info.step)
+                return
             message = f"step {info.step} rank {info.rank}: {exc}"
             self.emit("persist_failed", step=info.step, rank=info.rank, error=str(exc))
             with conn.lock:
@@ -297,13 +328,19 @@ class Persister:
             if info.rank == 0:
                 self._committer.submit(Commit(store, info.step, info.world, cleanup=True))
         finally:
+            if not written and not duplicate:
+                with self._shards_lock:
+                    self._shards.pop(shard, None)
             segment.unpin(info)
             with conn.lock:
                 conn.outstanding -= 1
                 conn.lock.notify_all()
 
-    def _commit_done(self, conn: _Connection, step: int) -> Any:
+    def _commit_done(self, conn: _Connection, step: int, shard: tuple[int, int, int]) -> Any:
         def done(error: str | None) -> None:
+            if error is not None:  # given up: a later persist of the step writes it again
+                with self._shards_lock:
+                    self._shards.pop(shard, None)
             with conn.lock:
                 if error is not None:
                     conn.errors.append(error)
@@ -338,9 +375,13 @@ def command(
     ]
 
 
-def ask(sock: socket.socket, reader: Any, message: dict[str, Any], expect: str) -> dict[str, Any]:
-    """Send one request and read its answer; :class:`OSError` unless it is ``expect``."""
-    sock.sendall(json.dumps(message).encode() + b"\n")
+def ask(
+    sock: socket.socket, reader: Any, message: dict[str, Any], expect: str, *, send: bool = True
+) -> dict[str, Any]:
+    """Send one request (unless sent already) and read its answer; :class:`OSError` unless it
+    is ``expect``."""
+    if send:
+        sock.sendall(json.dumps(message).encode() + b"\n")
     line = reader.readline()
     if not line:
         raise ConnectionError("the checkpoint persister went away")

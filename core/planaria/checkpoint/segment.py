@@ -1,16 +1,19 @@
-"""A rank's shared-memory segment: two slots, each holding one saved step.
+"""A rank's shared-memory segment: three slots, each holding one saved step.
 
 File layout (a file in /dev/shm, mode 0600)::
 
     page 0            header: magic, version, slot capacity, then one descriptor per slot
     page 1 ...        slot 0: tensor data (aligned), then the JSON metadata
-    ...               slot 1: the same
+    ...               slots 1 and 2: the same
 
-Why two slots: a save never overwrites the newest complete step, so a worker killed in the middle
-of a save still leaves the previous step whole in memory, and a save never waits for the
-persister, which reads a slot under a shared lock while training writes the other one. The cost is
-twice the state's size in shared memory; waiting instead would put the persister's read time
-(hundreds of ms per GiB) into training's critical path whenever a save follows a persisted one.
+Why three slots: a save never overwrites the newest complete step, so a worker killed at any
+moment of a save still leaves the newest step it completed whole in memory; and a save never
+waits for the persister, which reads a slot under a shared lock. With two slots, a pinned slot
+that does not hold the newest step would leave the newest one as the only slot to write: a kill
+during that save would leave only the older, pinned step. The third slot is what a save writes
+while the persister holds one and the newest step sits in another. The cost is three times the
+state's size in shared memory; waiting instead would put the persister's read time (hundreds of
+ms per GiB) into training's critical path.
 
 Locks are POSIX record locks on each slot's descriptor (``fcntl.lockf``): a writer holds an
 exclusive lock while it copies, a reader a shared one. The kernel drops them when a process
@@ -40,18 +43,24 @@ from planaria.shm import UnsafePathError, create_file, open_file, remove_dir
 if TYPE_CHECKING:
     import torch
 
+    from planaria.checkpoint.device import Device
+
 MAGIC = b"PLNRSHM1"
-VERSION = 1
+VERSION = 2
 PAGE = mmap.PAGESIZE
 HEADER = struct.Struct("<8sIIQq")  # magic, version, slots, capacity, creator pid
 DESC = struct.Struct("<IIqqqqqqd")  # state, pad, step, rank, world, seq, data_len, meta_len, time
 DESC_OFFSET = 64
-SLOTS = 2
+SLOTS = 3
 EMPTY, WRITING, VALID = 0, 1, 2
 
 
 class SegmentError(RuntimeError):
     """A segment that is not ours or cannot hold the state."""
+
+
+class SegmentBusyError(SegmentError):
+    """Every slot a save may write is held by a reader (a persister that stopped answering)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,12 @@ class Segment:
         self.capacity = capacity
         self._prefault: threading.Thread | None = None
         self._prefaulting: set[int] = set()
+        self._registered: dict[str, tuple[Device, int]] = {}
+        """Device kind -> (device, address) of the mapping registered as pinned host memory."""
+        self._registering: threading.Thread | None = None
+        self._unpinnable: set[str] = set()
+        """Device kinds whose runtime refused to register the mapping (not tried again)."""
+        self._register_lock = threading.Lock()
 
     # -- opening ---------------------------------------------------------------------------
 
@@ -139,6 +154,9 @@ class Segment:
     def close(self) -> None:
         if self._prefault is not None:
             self._prefault.join()
+        if self._registering is not None:
+            self._registering.join()
+        self.unregister_host()
         with contextlib.suppress(BufferError, ValueError):
             self._map.close()
         with contextlib.suppress(OSError):
@@ -151,7 +169,7 @@ class Segment:
     # -- pre-faulting ----------------------------------------------------------------------
 
     def prefault(
-        self, *, fresh: bool, background: bool = True, slots: tuple[int, ...] = (0, 1)
+        self, *, fresh: bool, background: bool = True, slots: tuple[int, ...] = tuple(range(SLOTS))
     ) -> None:
         """Map the pages of ``slots`` now so that saves copy at memory speed.
 
@@ -190,6 +208,65 @@ class Segment:
             self._prefault.join()
             self._prefault = None
         self._prefaulting = set()
+
+    # -- pinned host memory ----------------------------------------------------------------
+
+    def register_host(self, device: Device, *, background: bool) -> None:
+        """Register the whole mapping with ``device``'s runtime as pinned host memory, once,
+        so that device copies to and from it run at the link's speed (a pageable copy runs at
+        a fraction of it). In the background it starts once pre-faulting is done (both touch
+        every page); :meth:`close` undoes it before unmapping."""
+        with self._register_lock:
+            if not device.registers or device.kind in {*self._registered, *self._unpinnable}:
+                return
+            if self._registering is not None:
+                if not background:
+                    self._registering.join()
+                return
+            prefault = self._prefault
+
+            def run() -> None:
+                if prefault is not None:
+                    prefault.join()
+                address = _address(self._map)
+                try:
+                    device.register(address, len(self._map))
+                except Exception as exc:  # copies still work, from pageable memory
+                    self._unpinnable.add(device.kind)
+                    _log().warning(
+                        "cannot pin the checkpoint's shared memory; device copies will be slower",
+                        path=str(self.path),
+                        error=str(exc),
+                    )
+                    return
+                self._registered[device.kind] = (device, address)
+
+            if background:
+                self._registering = threading.Thread(
+                    target=run, name="planaria-register", daemon=True
+                )
+                self._registering.start()
+                return
+        run()
+
+    def registered(self, kind: str) -> bool:
+        """Whether the mapping is registered with ``kind``'s runtime (and done registering)."""
+        thread = self._registering
+        if thread is not None and not thread.is_alive():
+            self._registering = None
+        return kind in self._registered
+
+    def unregister_host(self) -> None:
+        """Undo every :meth:`register_host` (before the mapping goes)."""
+        if self._registering is not None:
+            self._registering.join()
+            self._registering = None
+        for kind, (device, address) in list(self._registered.items()):
+            try:
+                device.unregister(address)
+            except Exception as exc:
+                _log().warning("cannot unpin shared memory", path=str(self.path), error=str(exc))
+            del self._registered[kind]
 
     # -- descriptors -----------------------------------------------------------------------
 
@@ -324,25 +401,41 @@ class Segment:
     # -- writing (the worker) --------------------------------------------------------------
 
     @contextlib.contextmanager
-    def writing(self) -> Iterator[tuple[int, torch.Tensor]]:
-        """Choose a slot that no reader holds, preferring the one without the newest step, and
-        hold it exclusively; yields (slot, a uint8 tensor over its whole capacity). The slot is
-        marked ``WRITING``; :meth:`publish` marks it valid. A slot still being pre-faulted is
-        waited for; the other one is not."""
+    def writing(self, wait: float | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+        """Choose a slot that does not hold the newest complete step and that no reader holds
+        (the oldest first), and hold it exclusively; yields (slot, a uint8 tensor over its
+        whole capacity). The slot is marked ``WRITING``; :meth:`publish` marks it valid.
+
+        The newest step is never written over, whatever readers hold: if every other slot is
+        held, the save waits for one, at most ``wait`` seconds (None: as long as it takes),
+        then raises :class:`SegmentBusyError`. A slot still being pre-faulted is waited for."""
         valid = self.valid()
-        newest = valid[0].slot if valid else 1
-        order = [1 - newest, newest]
+        newest = valid[0].slot if valid else -1
+        infos = {i.slot: i for i in self.infos()}
+        order = sorted(
+            (slot for slot in range(SLOTS) if slot != newest),
+            key=lambda slot: (infos[slot].valid, infos[slot].seq, slot),
+        )
+        deadline = None if wait is None else time.monotonic() + wait
         chosen = None
-        for slot in order:
-            try:
-                self._lock(slot, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue
-            chosen = slot
-            break
-        if chosen is None:  # both held by readers: wait for the older one
-            chosen = order[0]
-            self._lock(chosen, fcntl.LOCK_EX)
+        pause = 0.0005
+        while chosen is None:
+            for slot in order:
+                try:
+                    self._lock(slot, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue
+                chosen = slot
+                break
+            if chosen is not None:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                raise SegmentBusyError(
+                    f"{self.path}: every slot but the newest step's is held by a reader "
+                    f"(waited {wait:g}s)"
+                )
+            time.sleep(pause)  # polled: a blocking lockf cannot be given a deadline
+            pause = min(pause * 2, 0.02)
         if chosen in self._prefaulting:
             self.wait_prefault()
         try:
@@ -373,6 +466,23 @@ class Segment:
         info = SlotInfo(slot, VALID, step, rank, world, seq, data_len, len(meta), time.time())
         self._set(slot, info)
         return info
+
+
+def _address(mapping: mmap.mmap) -> int:
+    """The address of a writable mapping's first byte (the export ends at once)."""
+    import ctypes
+
+    anchor = ctypes.c_char.from_buffer(mapping)
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor
+
+
+def _log() -> Any:
+    from planaria.log import get_logger
+
+    return get_logger("checkpoint")
 
 
 _MADV_POPULATE_WRITE = 23

@@ -418,6 +418,12 @@ class CheckpointSection(Section):
         description="let a job whose last persist failed end as succeeded (exit 0); by "
         "default it ends failed, naming its last persisted step",
     )
+    persister_timeout: float = Field(
+        default=5.0,
+        gt=0,
+        description="the most seconds a save waits for the node's persister; one that does "
+        "not answer within it is replaced",
+    )
 
 
 class PluginsSection(Section):

@@ -109,6 +109,10 @@ class Master:
         )
         self.started = time.time()
         self.first_step_at: float | None = None
+        self.first_step = 0
+        """The number of the first step the job's workers reported: steps are counted from
+        it, so a script that numbers them from 1 (or from a step restored from an earlier
+        run) does not get one more than it did."""
         self.finished_at: float | None = None
         self._round_settled = Wake()
         """Set when the forming round closes, is superseded or the job ends."""
@@ -143,6 +147,7 @@ class Master:
                 "reason": self.reason,
                 "started": self.started,
                 "first_step_at": self.first_step_at,
+                "first_step": self.first_step,
                 "finished_at": self.finished_at,
                 "restore": self.restore,
                 "persist_step": self.persist_step,
@@ -199,6 +204,7 @@ class Master:
         self.reason = job["reason"]
         self.started = job["started"]
         self.first_step_at = job["first_step_at"]
+        self.first_step = int(job.get("first_step", 0))
         self.finished_at = job["finished_at"]
         self.restore = job["restore"]
         self.persist_step = job["persist_step"]
@@ -468,14 +474,15 @@ class Master:
         info = self.rounds.world.get(node.node_id)
         if info is None or info.node_rank != 0 or beat.first_step_time is None:
             return
-        if self.first_step_at is None:
-            self.first_step_at = beat.first_step_time
         # The workers' own record of their first step: the board's current step may be
         # several steps on by the time the agent looked.
         first = min(
             (p.first_step if p.first_step >= 0 else p.step for p in beat.progress if p.step >= 0),
             default=None,
         )
+        if self.first_step_at is None:
+            self.first_step_at = beat.first_step_time
+            self.first_step = max(0, first) if first is not None else 0
         self.recovery.first_step(beat.round, beat.first_step_time, first)
 
     def workers_report(self, report: WorkersReport) -> None:
@@ -672,7 +679,8 @@ class Master:
     def summary(self) -> Summary:
         end = self.finished_at or time.time()
         startup = None if self.first_step_at is None else self.first_step_at - self.started
-        steps = max((n.step for n in self.nodes.values()), default=-1) + 1
+        last = max((n.step for n in self.nodes.values()), default=-1)
+        steps = max(0, last - self.first_step + 1) if last >= 0 else 0
         committed = self.checkpoints.committed_step
         return Summary(
             state=self.state.value,
@@ -685,7 +693,7 @@ class Master:
             faults=list(self.faults),
             checkpoints=self.checkpoints.committed,
             last_checkpoint=committed if committed >= 0 else None,
-            unpersisted=self.checkpoints.unpersisted(steps - 1),
+            unpersisted=self.checkpoints.unpersisted(last),
             skipped_checkpoints=[f"step {s}: {why}" for s, why in self.checkpoints.skipped.items()],
             started_from_scratch=self.checkpoints.scratch,
             persister_restarts=self.checkpoints.persister_restarts,

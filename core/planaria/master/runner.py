@@ -180,6 +180,7 @@ def _checkpoint_spec(resolved: ResolvedConfig, run_dir: Path) -> CheckpointSpec:
         persist_on_fault=section.persist_on_fault,
         require_restore=section.require_restore,
         allow_unpersisted_end=section.allow_unpersisted_end,
+        persister_timeout=section.persister_timeout,
     )
 
 
