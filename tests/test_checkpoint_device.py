@@ -3,6 +3,7 @@ when, what is waited for, and that an overlapped save stays consistent under its
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from planaria.checkpoint import Checkpointer  # noqa: E402
-from planaria.checkpoint.segment import WRITING, Segment  # noqa: E402
+from planaria.checkpoint.segment import PAGE, SLOTS, WRITING, Segment  # noqa: E402
 from planaria.testing.device import FakeDevice  # noqa: E402
 
 
@@ -196,16 +197,55 @@ def test_the_segment_is_registered_once_off_the_save_and_unregistered_before_unm
         assert segment is not None
         if segment._registering is not None:
             segment._registering.join()
-        # Not during the first save (its copy would compete with it): after it, once.
+        # Not during the first save (its copy would compete with it): after it, each slot
+        # once, together the whole of the slots' memory.
         first_wait = device.calls.index(("wait",))
         register = [i for i, c in enumerate(device.calls) if c[0] == "register"]
-        assert len(register) == 1 and register[0] > first_wait
-        ((_, size),) = device.registered.items()
-        assert size == segment._map.size()
+        assert len(register) == SLOTS and min(register) > first_wait
+        base = ctypes.addressof(ctypes.c_char.from_buffer(segment._map))
+        assert device.registered == {
+            base + PAGE + slot * segment.capacity: segment.capacity for slot in range(SLOTS)
+        }
     finally:
         ckpt.close()
-    assert device.count("unregister") == 1 and device.registered == {}
-    assert device.mapped_at_unregister == [True]
+    assert device.count("unregister") == SLOTS and device.registered == {}
+    assert device.mapped_at_unregister == [True] * SLOTS
+
+
+def test_a_restarted_worker_registers_only_the_slot_it_restores_from(tmp_path: Path) -> None:
+    """Registering is slower than the copy: a restore pins the one slot it reads, and the
+    worker's first save the rest, in the background."""
+    saver = Checkpointer(tmp_path / "ckpt", device=FakeDevice())
+    try:
+        state = {"w": torch.arange(4096, dtype=torch.float32)}
+        for step in range(2):
+            saver.save(step, state)
+        holder: list[Checkpointer] = []
+        device = _Spy(holder)
+        restarted = Checkpointer(tmp_path / "ckpt", device=device)
+        restarted.segment_path = saver.segment_path
+        holder.append(restarted)
+        try:
+            template = {"w": torch.zeros(4096)}
+            restored = restarted.load(template)
+            assert restored is not None and restored[0] == 1
+            assert torch.equal(template["w"], state["w"])
+            segment = restarted._segment
+            assert segment is not None
+            newest = segment.valid()[0]
+            base = ctypes.addressof(ctypes.c_char.from_buffer(segment._map))
+            assert device.registered == {
+                base + PAGE + newest.slot * segment.capacity: segment.capacity
+            }
+            restarted.save(2, state)
+            if segment._registering is not None:
+                segment._registering.join()
+            assert len(device.registered) == SLOTS and segment.registered("fake")
+        finally:
+            restarted.close()
+        assert device.count("unregister") == SLOTS and device.registered == {}
+    finally:
+        saver.close()
 
 
 def test_a_restore_into_device_tensors_goes_through_the_device_once(tmp_path: Path) -> None:

@@ -769,7 +769,7 @@ class Checkpointer:
                     device = self._device or device_for(target.device)
                     if id(device) not in devices:
                         devices[id(device)] = device
-                        segment.register_host(device, background=False)
+                        segment.register_host(device, background=False, slots=(info.slot,))
                         device.start()
                     raw = segment.tensor(info, entry.offset, entry.nbytes)
                     device.copy(target, raw.view(dtype_of(entry.dtype)).view(entry.shape))
