@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from planaria.config.errors import Loc, format_path, issues_from_validation, line_of
+from planaria.config.errors import Loc, format_path, issue_at, issues_from_validation
 from planaria.config.loader import RawConfig, disabled_plugins, read, validate
 from planaria.config.models import BackendSection, Config, backend_sections
 from planaria.errors import ConfigError, ConfigIssue, PluginError
@@ -54,11 +54,14 @@ class ResolvedConfig:
     source: str | None = None
     lines: Mapping[Loc, int] = field(default_factory=dict)
     """The file's line of each value it spells out, for problems found after loading."""
+    overrides: Mapping[Loc, str] = field(default_factory=dict)
+    """The ``--set`` that gave each value it set."""
 
     def issue(self, path: str, message: str) -> ConfigIssue:
-        """A problem at dotted ``path`` (``job.workdir``), with the line it comes from."""
+        """A problem at dotted ``path`` (``job.workdir``), with the line or ``--set`` it comes
+        from."""
         loc = tuple(int(p) if p.isdigit() else p for p in path.split("."))
-        return ConfigIssue(path, message, line_of(loc, self.lines))
+        return dataclasses.replace(issue_at(loc, message, self.lines, self.overrides), path=path)
 
     def dump(self) -> dict[str, Any]:
         """The whole configuration with every default filled in, options included.
@@ -162,7 +165,9 @@ def load_raw(
     except PluginError as exc:
         raise ConfigError([ConfigIssue("plugins", str(exc))], raw.source) from None
     config = validate(raw, manager)
-    resolved = dataclasses.replace(resolve(config, manager, raw.source), lines=raw.lines)
+    resolved = dataclasses.replace(
+        resolve(config, manager, raw.source), lines=raw.lines, overrides=raw.overrides
+    )
     issues = capacity_issues(resolved)
     if issues:
         raise ConfigError(issues, raw.source)
