@@ -155,9 +155,12 @@ def load(
 
 
 def load_raw(
-    raw: RawConfig, manager: PluginManager | None = None
+    raw: RawConfig, manager: PluginManager | None = None, *, ask_cluster: bool = True
 ) -> tuple[ResolvedConfig, PluginManager]:
-    """:func:`load` for a config already read (and overridden)."""
+    """:func:`load` for a config already read (and overridden). Without ``ask_cluster``, a
+    scheduler whose nodes are elsewhere is not asked whether it can give the job its nodes:
+    that asks its cluster (a Slurm controller, a Ray or Kubernetes API), which a dry run or a
+    check of the file alone must not need."""
     if manager is None:
         manager = PluginManager.from_entry_points(disable=disabled_plugins(raw))
     try:
@@ -168,16 +171,19 @@ def load_raw(
     resolved = dataclasses.replace(
         resolve(config, manager, raw.source), lines=raw.lines, overrides=raw.overrides
     )
-    issues = capacity_issues(resolved)
+    issues = capacity_issues(resolved, ask_cluster=ask_cluster)
     if issues:
         raise ConfigError(issues, raw.source)
     return resolved, manager
 
 
-def capacity_issues(resolved: ResolvedConfig) -> list[ConfigIssue]:
-    """What the job's scheduler says it cannot give a job of this size."""
+def capacity_issues(resolved: ResolvedConfig, *, ask_cluster: bool = True) -> list[ConfigIssue]:
+    """What the job's scheduler says it cannot give a job of this size; without
+    ``ask_cluster``, only a scheduler whose nodes are this machine is asked."""
     scheduler = resolved.backends.get("scheduler")
     if scheduler is None or not issubclass(scheduler.record.factory, Scheduler):
+        return []
+    if not ask_cluster and not scheduler.record.factory.nodes_here:
         return []
     job = resolved.config.job
     found = scheduler.record.factory.capacity_issues(
