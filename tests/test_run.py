@@ -235,6 +235,9 @@ def test_the_command_after_dashes_and_a_failing_command_with_no_budget(tmp_path,
     (fault,) = [e for e in events(tmp_path) if e["kind"] == "fault_detected"]
     assert fault["data"]["exitcode"] == 3
     assert "about to fail" in fault["data"]["log_tail"]
+    # Its node's agent ended well (exit 0), which says nothing of the job: no "succeeded".
+    assert "node's agent exited" in result.stderr and "how='exit code 0'" in result.stderr
+    assert "state=succeeded" not in result.stdout + result.stderr
     ok = run(tmp_path, mark, str(config), "--", sys.executable, "-c", "print('fine')")
     assert ok.returncode == 0, ok.stdout + ok.stderr
 
@@ -263,3 +266,24 @@ def test_a_signal_stops_the_job_and_exits_128_plus_its_number(tmp_path, mark, si
     assert f"failed: interrupted by {sig.name}" in " ".join(output.split()), output
     stopped = [e["data"]["cause"] for e in events(tmp_path) if e["kind"] == "job_stopped"]
     assert stopped == ["interrupted"]
+
+
+def test_a_lost_node_is_a_node_fault_with_how_it_was_lost(tmp_path, mark):
+    short = [sys.executable, "-c", "import time; time.sleep(3)"]
+    config = job(
+        tmp_path,
+        job={"nodes": 2, "procs_per_node": 1, "command": short},
+        rendezvous={"join_grace": "300ms"},
+        chaos=[{"kind": "kill_node", "node_rank": 1, "after": "1s"}],
+    )
+    result = run(tmp_path, mark, str(config))
+    assert result.returncode == 0, result.stdout + result.stderr
+    (lost,) = [
+        e
+        for e in events(tmp_path)
+        if e["kind"] == "fault_detected" and e["data"]["fault"] == "node_lost"
+    ]
+    assert lost["data"]["fault_class"] == "node"
+    assert lost["data"]["reason"].startswith("agent process ended: "), lost["data"]
+    text = " ".join(result.stdout.split())
+    assert "node_lost │ node: agent process ended: " in text, text
