@@ -290,6 +290,11 @@ class Recovery:
             if fault.restart_round == round_ and fault.recovered_at is None:
                 fault.recovered_at = at
                 fault.first_step_after = first
+                if fault.restored_from == "storage" and first is not None:
+                    # Training goes on after the step it restored, as steps_lost counts it.
+                    fault.restored_from = (
+                        f"storage (step {first - 1})" if first > 0 else "storage (no step)"
+                    )
                 recovery_s = fault.recovery_s or 0.0
                 self.timeline.emit(
                     events.Recovered(
