@@ -81,7 +81,7 @@ def test_every_run_writes_a_report_telling_both_faults_and_their_recoveries(faul
             assert recovery in html and recovery in output
     assert faults[0]["restored_from"].startswith("memory") and faults[0]["recovered_at"]
     lost = faults[kinds.index("node_lost")]
-    assert lost["restored_from"] == "storage"
+    assert re.fullmatch(r"storage \(step \d+\)", lost["restored_from"]), lost
     goodput = re.search(r"goodput\s*│\s*([\d.]+%)", output)
     assert goodput and f"<td>{goodput.group(1)}</td>" in html
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -234,5 +235,55 @@ def test_the_command_after_dashes_and_a_failing_command_with_no_budget(tmp_path,
     (fault,) = [e for e in events(tmp_path) if e["kind"] == "fault_detected"]
     assert fault["data"]["exitcode"] == 3
     assert "about to fail" in fault["data"]["log_tail"]
+    # Its node's agent ended well (exit 0), which says nothing of the job: no "succeeded".
+    assert "node's agent exited" in result.stderr and "how='exit code 0'" in result.stderr
+    assert "state=succeeded" not in result.stdout + result.stderr
     ok = run(tmp_path, mark, str(config), "--", sys.executable, "-c", "print('fine')")
     assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_stops_the_job_and_exits_128_plus_its_number(tmp_path, mark, sig, code):
+    """A requeue wrapper tells a stop it asked for (SIGTERM before a preemption, Ctrl-C) from a
+    crash (exit 1) by the code a shell gives a process that signal killed."""
+    forever = [sys.executable, "-c", "import time; time.sleep(600)"]
+    config = job(tmp_path, job={"nodes": 1, "procs_per_node": 1, "command": forever})
+    proc = start(tmp_path, mark, str(config))
+    try:
+        deadline = time.monotonic() + 120
+        timelines = "planaria-runs/*/events.jsonl"
+        while not any('"job_started"' in p.read_text() for p in tmp_path.glob(timelines)):
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "the job did not start"
+            time.sleep(0.1)
+        proc.send_signal(sig)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == code, output
+    assert f"failed: interrupted by {sig.name}" in " ".join(output.split()), output
+    stopped = [e["data"]["cause"] for e in events(tmp_path) if e["kind"] == "job_stopped"]
+    assert stopped == ["interrupted"]
+
+
+def test_a_lost_node_is_a_node_fault_with_how_it_was_lost(tmp_path, mark):
+    short = [sys.executable, "-c", "import time; time.sleep(3)"]
+    config = job(
+        tmp_path,
+        job={"nodes": 2, "procs_per_node": 1, "command": short},
+        rendezvous={"join_grace": "300ms"},
+        chaos=[{"kind": "kill_node", "node_rank": 1, "after": "1s"}],
+    )
+    result = run(tmp_path, mark, str(config))
+    assert result.returncode == 0, result.stdout + result.stderr
+    (lost,) = [
+        e
+        for e in events(tmp_path)
+        if e["kind"] == "fault_detected" and e["data"]["fault"] == "node_lost"
+    ]
+    assert lost["data"]["fault_class"] == "node"
+    assert lost["data"]["reason"].startswith("agent process ended: "), lost["data"]
+    text = " ".join(result.stdout.split())
+    assert "node_lost │ node: agent process ended: " in text, text

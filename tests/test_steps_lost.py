@@ -75,6 +75,12 @@ def test_steps_lost_after_an_outside_kill_are_those_the_workers_redid(tmp_path, 
     resumed = int(after.split(maxsplit=1)[0])
     first_after = int(re.findall(r"^step (\d+) ", after, re.M)[0])
     assert first_after == resumed + 1
+    # The fault table names the step storage gave (the replacement held nothing in memory).
+    (run_dir,) = tmp_path.glob("planaria-runs/*")
+    faults = json.loads((run_dir / "summary.json").read_text())["faults"]
+    (lost,) = [f for f in faults if f["kind"] == "node_lost"]
+    assert lost["restored_from"] == f"storage (step {resumed})", lost
+    assert f"storage (step {resumed})" in " ".join(output.split())
     recovered = [e for e in events(tmp_path) if e["kind"] == "recovered"]
     assert len(recovered) == 1, output
     # A step printed was completed by every rank (the printed loss is an all-reduce).

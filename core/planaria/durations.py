@@ -11,6 +11,7 @@ _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
 _PART = re.compile(rf"({_NUMBER})\s*(ms|s|m|h|d)")
 _WHOLE = re.compile(rf"^(?:\s*{_NUMBER}\s*(?:ms|s|m|h|d))+\s*$")
+_CLOCK = re.compile(r"^\d+(?::\d+)+$")  # 1:30, which a config file reads as text
 EXPECTED = "a number of seconds or a duration such as 500ms, 30s, 5m, 1h30m"
 
 
@@ -25,6 +26,11 @@ def parse_duration(value: Any) -> float:
         try:
             seconds = float(text)
         except ValueError:
+            if _CLOCK.match(text):
+                raise ValueError(
+                    f"invalid duration {value!r}: minutes:seconds or hours:minutes? write it "
+                    "with units, such as 1m30s or 1h30m"
+                ) from None
             if not _WHOLE.match(text):
                 raise ValueError(f"invalid duration {value!r}: expected {EXPECTED}") from None
             seconds = sum(float(n) * _UNITS[u] for n, u in _PART.findall(text))

@@ -20,10 +20,14 @@ class ConfigIssue:
     path: str
     message: str
     line: int | None = None
+    override: str | None = None
+    """The ``--set PATH=VALUE`` that gave the value, when no line of the file did."""
 
     def __str__(self) -> str:
         where = self.path or "<top level>"
-        if self.line is not None:
+        if self.override is not None:
+            where = f"{where} (--set {self.override})"
+        elif self.line is not None:
             where = f"{where} (line {self.line})"
         return f"{where}: {self.message}"
 

@@ -86,12 +86,13 @@ def _main(
 
 
 def load_job(
-    path: Path | None, overrides: list[str] | None
+    path: Path | None, overrides: list[str] | None, *, ask_cluster: bool = True
 ) -> tuple[ResolvedConfig, PluginManager]:
-    """Read and validate a config (or the defaults), load the plugins it allows, resolve it."""
+    """Read and validate a config (or the defaults), load the plugins it allows, resolve it;
+    ``ask_cluster``: see :func:`planaria.config.resolve.load_raw`."""
     raw = read(path, overrides or [])
     configure_logging(raw)
-    return load_raw(raw)
+    return load_raw(raw, ask_cluster=ask_cluster)
 
 
 def configure_logging(raw: RawConfig) -> None:

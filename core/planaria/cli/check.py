@@ -94,7 +94,7 @@ def _preflight(resolved: ResolvedConfig, manager: PluginManager, json: bool) -> 
 
 def _error_json(exc: PlanariaError) -> dict[str, object]:
     problems = [
-        {"path": i.path, "line": i.line, "message": i.message}
+        {"path": i.path, "line": i.line, "set": i.override, "message": i.message}
         for i in (exc.issues if isinstance(exc, ConfigError) else [])
     ]
     return {"healthy": False, "error": str(exc), "problems": problems}

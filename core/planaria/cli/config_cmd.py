@@ -21,8 +21,10 @@ FileArgument = Annotated[Path, typer.Argument(help="job config file (YAML or TOM
 
 @config_app.command("validate")
 def validate(file: FileArgument, set_: SetOption = None) -> None:
-    """Check FILE, including every plugin's options; all problems are listed together."""
-    resolved, _ = load_job(file, set_)
+    """Check FILE, including every plugin's options; all problems are listed together.
+    A cluster manager (Slurm, Ray, Kubernetes) is not asked: `planaria run` and `planaria
+    submit` ask it whether it has what the file names (a partition, the nodes)."""
+    resolved, _ = load_job(file, set_, ask_cluster=False)
     checks = ", ".join(c.name for c in resolved.checks) or "none"
     out.print(f"{file}: valid (job {resolved.config.job.name!r}; health checks: {checks})")
 
@@ -34,7 +36,7 @@ def show(
     json: Annotated[bool, typer.Option("--json", help="print JSON instead of YAML")] = False,
 ) -> None:
     """Print FILE as planaria reads it: overrides applied, every default filled in."""
-    resolved, _ = load_job(file, set_)
+    resolved, _ = load_job(file, set_, ask_cluster=False)
     data = resolved.dump()
     if json:
         print_json(data)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+import signal
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -280,7 +282,8 @@ def run_command(
     fields; everything after the script is the script's.
 
     Exit 0 only if the training command succeeded; 2 for a bad config or command line, and
-    for workers that cannot start.
+    for workers that cannot start; 130 or 143 when SIGINT or SIGTERM stopped the job (128 +
+    the signal's number, as a shell reports it), 1 for any other failure.
     """
     del standalone  # a job is standalone unless its scheduler says otherwise
     flags = TorchrunFlags(
@@ -300,6 +303,8 @@ def run_command(
         raise SystemExit(EXIT_USAGE)
     file = file or config
     literal = bool(ctx.meta.get(META_LITERAL))
+    interrupted: list[signal.Signals] = []
+    hooks = dataclasses.replace(HOOKS, on_interrupt=interrupted.append)
     try:
         command = training_command(command or [], flags, literal)
     except LaunchError as exc:
@@ -315,7 +320,7 @@ def run_command(
             )
             raise SystemExit(EXIT_USAGE)
         try:
-            summary, run_dir = asyncio.run(resume_job(resume, hooks=HOOKS))
+            summary, run_dir = asyncio.run(resume_job(resume, hooks=hooks))
         except JournalError as exc:
             error(str(exc))
             raise SystemExit(EXIT_USAGE) from None
@@ -324,10 +329,12 @@ def run_command(
         raise SystemExit(EXIT_USAGE)
     else:
         resolved, manager = _prepare(file, set_ or [], chaos or [], command, flags)
-        summary, run_dir = asyncio.run(run_job(resolved, manager, hooks=HOOKS))
+        summary, run_dir = asyncio.run(run_job(resolved, manager, hooks=hooks))
     print_summary(summary, run_dir)
     _write_report(run_dir)
     if summary.state != JobState.SUCCEEDED.value:
+        if interrupted:  # a requeue wrapper tells a stop it asked for from a crash
+            raise SystemExit(128 + interrupted[0])
         raise SystemExit(EXIT_USAGE if stopped_on_start(summary) else 1)
 
 

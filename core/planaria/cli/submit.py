@@ -26,9 +26,10 @@ def submit_command(
 ) -> None:
     """Submit a job to the configured scheduler as a batch job (e.g. sbatch), which runs
     ``planaria run`` on its allocation. Prints the job id (exit 0), or the batch script with
-    ``--dry-run``; a refused submission exits 2 with the cluster manager's own message."""
+    ``--dry-run``; a refused submission exits 2 with the cluster manager's own message.
+    A dry run does not ask the cluster (its partitions, its allocation)."""
     overrides = set_ or []
-    resolved, _ = load_job(file, overrides)
+    resolved, _ = load_job(file, overrides, ask_cluster=not dry_run)
     chosen = resolved.backends.get("scheduler")
     if chosen is None:
         backend = resolved.config.scheduler.backend

@@ -1,5 +1,6 @@
 """Turns pydantic's validation errors into :class:`ConfigIssue` lines a person can act on:
-the path as written in the file (``diagnosis.checks[1].options.timeout``), its line, the bad value
+the path as written in the file (``diagnosis.checks[1].options.timeout``), its line (or the
+``--set`` that gave it), the bad value
 and what was expected; for an unknown key, the keys that are allowed and the likely intended one.
 """
 
@@ -30,13 +31,32 @@ def format_path(loc: Sequence[str | int]) -> str:
 
 def line_of(loc: Loc, lines: Mapping[Loc, int] | None) -> int | None:
     """The line of the longest prefix of ``loc`` that the file spells out."""
-    if not lines:
-        return None
+    return origin(loc, lines)[0]
+
+
+def origin(
+    loc: Loc, lines: Mapping[Loc, int] | None, overrides: Mapping[Loc, str] | None = None
+) -> tuple[int | None, str | None]:
+    """Where the value at ``loc`` comes from: (the file's line, None) or (None, the
+    ``--set`` that gave it), whichever spells out the longest prefix of ``loc``."""
     for end in range(len(loc), 0, -1):
-        line = lines.get(tuple(loc[:end]))
-        if line is not None:
-            return line
-    return None
+        prefix = tuple(loc[:end])
+        if overrides and prefix in overrides:
+            return None, overrides[prefix]
+        if lines and prefix in lines:
+            return lines[prefix], None
+    return None, None
+
+
+def issue_at(
+    loc: Loc,
+    message: str,
+    lines: Mapping[Loc, int] | None,
+    overrides: Mapping[Loc, str] | None = None,
+) -> ConfigIssue:
+    """A problem at ``loc``, located in the file or on the command line."""
+    line, override = origin(loc, lines, overrides)
+    return ConfigIssue(format_path(loc), message, line, override)
 
 
 def _short(value: Any) -> str:
@@ -90,6 +110,7 @@ def issues_from_validation(
     prefix: Loc = (),
     model: type[BaseModel] | None = None,
     lines: Mapping[Loc, int] | None = None,
+    overrides: Mapping[Loc, str] | None = None,
     fallback: Callable[[Loc], type[BaseModel] | None] | None = None,
 ) -> list[ConfigIssue]:
     """One issue per pydantic error, located under ``prefix``; ``model`` is the model that
@@ -112,6 +133,5 @@ def issues_from_validation(
             message = str(err["msg"]).removeprefix("Value error, ")
             if "input" in err and kind not in ("value_error", "assertion_error"):
                 message += f" (got {_short(err['input'])})"
-        full = prefix + loc
-        issues.append(ConfigIssue(format_path(full), message, line_of(full, lines)))
+        issues.append(issue_at(prefix + loc, message, lines, overrides))
     return issues

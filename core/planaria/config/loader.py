@@ -1,7 +1,9 @@
 """Reads a config file (YAML or TOML), applies ``--set`` overrides and validates every section.
 
 All problems are collected and raised together as one :class:`ConfigError`, each with the path
-and, for YAML, the line it comes from.
+and where its value comes from: for YAML, its line; for an override, the ``--set`` that gave it.
+Unquoted values are read as YAML 1.2 reads them (:mod:`planaria.config.scalars`): ``nodes: 4:8``
+is the range 4 to 8, not YAML 1.1's base-60 number 248.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from planaria.config.errors import Loc, format_path, issues_from_validation
 from planaria.config.models import Config, backend_sections
+from planaria.config.scalars import Yaml12Resolver
 from planaria.errors import ConfigError, ConfigIssue, PlanariaError
 from planaria.plugin.manager import PluginManager
 
@@ -34,6 +37,9 @@ class RawConfig:
         self.data = data
         self.lines = lines or {}
         self.source = source
+        self.overrides: dict[Loc, str] = {}
+        """The ``--set PATH=VALUE`` that gave the value at each path it set (the file's line
+        of that path, and of every path below it, is dropped)."""
 
 
 MAX_ALIAS_VALUES = 10_000
@@ -44,10 +50,11 @@ MAX_DEPTH = 64
 """The deepest nesting a config file may have (a real one has fewer than ten levels)."""
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """Safe YAML that rejects a key given twice in one mapping (PyYAML keeps the last), an
-    alias inside the value it names, nesting deeper than :data:`MAX_DEPTH`, and aliases that
-    expand the file by more than :data:`MAX_ALIAS_VALUES` values.
+class _StrictLoader(Yaml12Resolver, yaml.SafeLoader):
+    """Safe YAML, its unquoted values read as YAML 1.2 reads them, that rejects a key given
+    twice in one mapping (PyYAML keeps the last), an alias inside the value it names, nesting
+    deeper than :data:`MAX_DEPTH`, and aliases that expand the file by more than
+    :data:`MAX_ALIAS_VALUES` values.
 
     PyYAML composes an alias as a reference to the anchored node, so a bomb is small in memory
     until something walks its values (the line map, validation) and meets every copy: the
@@ -252,8 +259,21 @@ def apply_overrides(raw: RawConfig, overrides: list[str]) -> None:
             _set(raw.data, parts, value)
         except (KeyError, IndexError, TypeError) as exc:
             issues.append(ConfigIssue(f"--set {item}", str(exc.args[0] if exc.args else exc)))
+            continue
+        _record_override(raw, tuple(parts), item)
     if issues:
         raise ConfigError(issues, raw.source)
+
+
+def _record_override(raw: RawConfig, at: Loc, item: str) -> None:
+    """The value at ``at``, and all below it, now comes from ``--set item``, not the file."""
+
+    def below(loc: Loc) -> bool:
+        return loc[: len(at)] == at
+
+    raw.lines = {loc: line for loc, line in raw.lines.items() if not below(loc)}
+    raw.overrides = {loc: text for loc, text in raw.overrides.items() if not below(loc)}
+    raw.overrides[at] = item
 
 
 def _set(data: Any, parts: list[str | int], value: Any) -> None:
@@ -319,7 +339,9 @@ def validate(raw: RawConfig, manager: PluginManager | None = None) -> Config:
     try:
         return Config.model_validate(raw.data, context={"plugins": manager} if manager else None)
     except ValidationError as exc:
-        issues = issues_from_validation(exc, model=Config, lines=raw.lines, fallback=options_model)
+        issues = issues_from_validation(
+            exc, model=Config, lines=raw.lines, overrides=raw.overrides, fallback=options_model
+        )
         raise ConfigError(issues, raw.source) from None
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from planaria.config.errors import Loc, format_path, issues_from_validation, line_of
+from planaria.config.errors import Loc, format_path, issue_at, issues_from_validation
 from planaria.config.loader import RawConfig, disabled_plugins, read, validate
 from planaria.config.models import BackendSection, Config, backend_sections
 from planaria.errors import ConfigError, ConfigIssue, PluginError
@@ -54,11 +54,14 @@ class ResolvedConfig:
     source: str | None = None
     lines: Mapping[Loc, int] = field(default_factory=dict)
     """The file's line of each value it spells out, for problems found after loading."""
+    overrides: Mapping[Loc, str] = field(default_factory=dict)
+    """The ``--set`` that gave each value it set."""
 
     def issue(self, path: str, message: str) -> ConfigIssue:
-        """A problem at dotted ``path`` (``job.workdir``), with the line it comes from."""
+        """A problem at dotted ``path`` (``job.workdir``), with the line or ``--set`` it comes
+        from."""
         loc = tuple(int(p) if p.isdigit() else p for p in path.split("."))
-        return ConfigIssue(path, message, line_of(loc, self.lines))
+        return dataclasses.replace(issue_at(loc, message, self.lines, self.overrides), path=path)
 
     def dump(self) -> dict[str, Any]:
         """The whole configuration with every default filled in, options included.
@@ -152,9 +155,12 @@ def load(
 
 
 def load_raw(
-    raw: RawConfig, manager: PluginManager | None = None
+    raw: RawConfig, manager: PluginManager | None = None, *, ask_cluster: bool = True
 ) -> tuple[ResolvedConfig, PluginManager]:
-    """:func:`load` for a config already read (and overridden)."""
+    """:func:`load` for a config already read (and overridden). Without ``ask_cluster``, a
+    scheduler whose nodes are elsewhere is not asked whether it can give the job its nodes:
+    that asks its cluster (a Slurm controller, a Ray or Kubernetes API), which a dry run or a
+    check of the file alone must not need."""
     if manager is None:
         manager = PluginManager.from_entry_points(disable=disabled_plugins(raw))
     try:
@@ -162,17 +168,22 @@ def load_raw(
     except PluginError as exc:
         raise ConfigError([ConfigIssue("plugins", str(exc))], raw.source) from None
     config = validate(raw, manager)
-    resolved = dataclasses.replace(resolve(config, manager, raw.source), lines=raw.lines)
-    issues = capacity_issues(resolved)
+    resolved = dataclasses.replace(
+        resolve(config, manager, raw.source), lines=raw.lines, overrides=raw.overrides
+    )
+    issues = capacity_issues(resolved, ask_cluster=ask_cluster)
     if issues:
         raise ConfigError(issues, raw.source)
     return resolved, manager
 
 
-def capacity_issues(resolved: ResolvedConfig) -> list[ConfigIssue]:
-    """What the job's scheduler says it cannot give a job of this size."""
+def capacity_issues(resolved: ResolvedConfig, *, ask_cluster: bool = True) -> list[ConfigIssue]:
+    """What the job's scheduler says it cannot give a job of this size; without
+    ``ask_cluster``, only a scheduler whose nodes are this machine is asked."""
     scheduler = resolved.backends.get("scheduler")
     if scheduler is None or not issubclass(scheduler.record.factory, Scheduler):
+        return []
+    if not ask_cluster and not scheduler.record.factory.nodes_here:
         return []
     job = resolved.config.job
     found = scheduler.record.factory.capacity_issues(

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from planaria import events
 from planaria.events import StopCause
+from planaria.fault_pattern.api import FaultClass
 from planaria.log import get_logger
 from planaria.master.fleet import Fleet
 from planaria.master.policy import (
@@ -165,7 +166,8 @@ class Recovery:
         return decision
 
     def node_lost(self, node: Node, why: str) -> None:
-        """The node's agent ended, or went silent."""
+        """The node's agent ended, or went silent: a fault of the node (class ``node``),
+        though nothing says its host is bad (it is not excluded)."""
         fault = Fault(
             kind="node_lost",
             node=node.node_id,
@@ -173,9 +175,15 @@ class Recovery:
             time=time.time(),
             action="",
             last_step=node.step,
+            fault_class=FaultClass.NODE.value,
+            reason=why,
         )
         self.timeline.emit(
-            events.FaultDetected(fault="node_lost", host=node.host), fault.detail, node=node.node_id
+            events.FaultDetected(
+                fault="node_lost", fault_class=FaultClass.NODE, reason=why, host=node.host
+            ),
+            fault.detail,
+            node=node.node_id,
         )
         self.report(fault, FaultType.LOST, Source.AGENT)
 
@@ -282,6 +290,11 @@ class Recovery:
             if fault.restart_round == round_ and fault.recovered_at is None:
                 fault.recovered_at = at
                 fault.first_step_after = first
+                if fault.restored_from == "storage" and first is not None:
+                    # Training goes on after the step it restored, as steps_lost counts it.
+                    fault.restored_from = (
+                        f"storage (step {first - 1})" if first > 0 else "storage (no step)"
+                    )
                 recovery_s = fault.recovery_s or 0.0
                 self.timeline.emit(
                     events.Recovered(

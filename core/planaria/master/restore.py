@@ -66,9 +66,15 @@ def plan(
     ``persist_on_fault``, a restart also persists that step if storage lacks it."""
     step, why = agree(world, memory, procs_per_node)
     persist = persist_on_fault and restarted and step is not None and step > committed_step
+    where = "storage" if step is None else f"memory (step {step})"
+    if not restarted and not any(memory.get(node) for node in world):
+        # A fresh start: storage holds a step only when an earlier run of the job (a requeued
+        # batch job) committed one, which the workers find and the master cannot know.
+        where = "storage if it holds a step, else start from scratch"
+        why = "the job's first round, nothing in memory"
     return RestorePlan(
         restore="storage" if step is None else f"memory:{step}",
         persist_step=step if persist else None,
-        where="storage" if step is None else f"memory (step {step})",
+        where=where,
         why=why,
     )

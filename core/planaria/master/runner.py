@@ -104,6 +104,9 @@ class RunHooks:
     """What the user must hear before the job starts (an API open to the network)."""
     follow: Callable[[Master, asyncio.Future[Summary]], Awaitable[Summary]] = field(default=_wait)
     """Awaits the running job and returns its summary; meanwhile it may show its status."""
+    on_interrupt: Callable[[signal.Signals], None] = _ignore
+    """The signal (SIGINT, SIGTERM) that stops the job, just before it does; not called for
+    one that comes after the job ended."""
 
 
 def preflight_issues(resolved: ResolvedConfig, asked: bool = False) -> list[ConfigIssue]:
@@ -434,8 +437,14 @@ async def _run(
         )
         hooks.on_start(master.spec, url)
         loop = asyncio.get_running_loop()
+
+        def interrupt(sig: signal.Signals) -> None:
+            if not master.state.terminal:
+                hooks.on_interrupt(sig)
+            master.stop(f"interrupted by {sig.name}")
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, master.stop, f"interrupted by {signal.Signals(sig).name}")
+            loop.add_signal_handler(sig, interrupt, sig)
         try:
             if journalled is not None:
                 await master.adopt(agents, journalled)

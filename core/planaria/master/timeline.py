@@ -35,7 +35,9 @@ class Fault:
     recovered_at: float | None = None
     first_step_after: int | None = None
     restored_from: str | None = None
-    """``memory (step N)`` or ``storage``: where the restarted workers were told to restore."""
+    """``memory (step N)`` or ``storage``: where the restarted workers were told to restore;
+    once they stepped, ``storage (step N)`` (or ``storage (no step)``), N the step before their
+    first."""
     fault_class: str | None = None
     """``node``, ``transient`` or ``user`` (:mod:`planaria.diagnosis.classify`)."""
     reason: str = ""

@@ -131,7 +131,9 @@ class Scheduler(ABC, Generic[OptionsT]):
     ) -> list[ConfigIssue]:
         """What this scheduler cannot give a job of ``nodes`` nodes of ``procs_per_node``
         workers each, as problems of the config (``job.nodes``, ``scheduler.options.X``),
-        found when it loads, before anything starts. The default: none."""
+        found when it loads, before anything starts. The default: none. It may ask the
+        cluster; ``planaria submit --dry-run`` and ``planaria config validate`` do not call it
+        unless :attr:`nodes_here` (the nodes are this machine, which is no cluster to ask)."""
         return []
 
     @classmethod

@@ -616,7 +616,7 @@ class LocalScheduler(Scheduler[LocalOptions]):
                 event = _exit_event(node.node_id, -1, adopted=True)
                 node.state = event.state
                 self._events.append(event)
-                log.info("node exited", node=node.node_id, reason=event.reason)
+                log.info("node's agent exited", node=node.node_id, how=event.reason)
                 continue
             try:
                 if not _has_exited(node.pid):
@@ -636,7 +636,8 @@ class LocalScheduler(Scheduler[LocalOptions]):
                 event = _exit_event(node.node_id, node.proc.returncode)
             node.state = event.state
             self._events.append(event)
-            log.info("node exited", node=node.node_id, state=event.state.value, reason=event.reason)
+            # How its agent ended: exit 0 is no verdict on the job, which may have failed.
+            log.info("node's agent exited", node=node.node_id, how=event.reason or "exit code 0")
 
     def _collect(self, node: _Node) -> None:
         node.proc.wait()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 import sys
 from pathlib import Path
 
@@ -60,6 +61,64 @@ def test_dry_run_prints_the_batch_script(tmp_path: Path) -> None:
         f"--set scheduler.options.state_dir={tmp_path}/.planaria"
     )
     assert not list(tmp_path.glob(".planaria/submit-*")), "a dry run writes no script file"
+
+
+def _no_controller(where: Path) -> dict[str, str]:
+    """The environment of a Slurm client whose controller is at a port where nothing listens
+    (a laptop, a login node while slurmctld is down): any sinfo would fail."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    conf = where / "slurm.conf"
+    conf.write_text(
+        "ClusterName=nowhere\n"
+        "SlurmctldHost=localhost(127.0.0.1)\n"
+        f"SlurmctldPort={port}\n"
+        "AuthType=auth/none\n"
+        "NodeName=node1 NodeAddr=127.0.0.1\n"
+        "PartitionName=gpu Nodes=node1\n"
+    )
+    return {"SLURM_CONF": str(conf)}
+
+
+UNQUOTED = """\
+job:
+  name: gpt
+  command: python train.py
+  nodes: 4:8
+  procs_per_node: 8
+scheduler:
+  backend: slurm
+  options: {spares: 1, partition: gpu, time: 1:30:00}
+"""
+
+
+def test_a_dry_run_and_validate_ask_no_slurm_controller(tmp_path: Path) -> None:
+    """``nodes: 4:8`` unquoted is 4 to 8 nodes (8 and a spare asked for), ``time: 1:30:00``
+    stays the text; and a named partition is not looked up, so no controller is needed."""
+    env = _no_controller(tmp_path)
+    config = tmp_path / "job.yaml"
+    config.write_text(UNQUOTED)
+    done = run_planaria(tmp_path, "submit", "--dry-run", str(config), env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    for line in [
+        "#SBATCH --nodes=9",  # 8 at most, 1 spare
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=1:30:00",
+        "# Written by planaria submit: job gpt, 4-8 node(s) of 8 worker(s), 1 spare(s).",
+    ]:
+        assert line + "\n" in done.stdout, f"{line!r} missing from:\n{done.stdout}"
+
+    overridden = run_planaria(
+        tmp_path, "submit", "--dry-run", str(config), "--set", "job.nodes=2:3", env=env
+    )
+    assert overridden.returncode == 0, overridden.stderr
+    assert "#SBATCH --nodes=4\n" in overridden.stdout
+    assert "job gpt, 2-3 node(s)" in overridden.stdout
+
+    valid = run_planaria(tmp_path, "config", "validate", str(config), env=env, timeout=60)
+    assert valid.returncode == 0, valid.stderr
+    assert "valid (job 'gpt'" in valid.stdout
 
 
 def test_an_option_that_is_not_one_word_is_refused(tmp_path: Path) -> None:

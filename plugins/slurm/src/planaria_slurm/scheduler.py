@@ -494,7 +494,8 @@ class SlurmScheduler(Scheduler[SlurmOptions]):
             else:
                 event = _exit_event(step.node_id, step.proc.returncode)
             self._events.append(event)
-            log.info("node exited", node=step.node_id, state=event.state.value, reason=event.reason)
+            # How its agent ended: exit 0 is no verdict on the job, which may have failed.
+            log.info("node's agent exited", node=step.node_id, how=event.reason or "exit code 0")
 
     def _reap(self) -> None:
         for step in self._steps.values():
