@@ -8,6 +8,7 @@ Real processes throughout: ``planaria run`` is SIGKILLed from outside mid-traini
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sqlite3
 import subprocess
@@ -192,6 +193,8 @@ def test_a_second_master_on_a_live_run_is_refused(tmp_path, mark):
         second = run(tmp_path, mark, "--resume", str(run_dir))
         assert second.returncode == 2
         assert "is still running the job" in second.stdout + second.stderr
+        # Refused before it wrote anything: the live job's timeline tells no resume.
+        assert [e for e in _events(run_dir) if e["kind"] == "master_resumed"] == []
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -199,3 +202,120 @@ def test_a_second_master_on_a_live_run_is_refused(tmp_path, mark):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+# -- what a resume refuses before it writes anything ------------------------------------------
+
+
+def _ended_run(tmp_path: Path, mark: str) -> Path:
+    """The run directory of a job that ran to its end in a moment."""
+    done = run(tmp_path, mark, str(_config(tmp_path, "5s")), "--", sys.executable, "-c", "pass")
+    assert done.returncode == 0, done.stdout[-2000:]
+    (run_dir,) = (p.parent for p in tmp_path.glob("planaria-runs/*/master.db"))
+    return run_dir
+
+
+def _journal(run_dir: Path, *statements: tuple[str, tuple[object, ...]]) -> None:
+    db = sqlite3.connect(run_dir / "master.db")
+    try:
+        with db:
+            for sql, args in statements:
+                db.execute(sql, args)
+    finally:
+        db.close()
+
+
+def _as_if_its_master_died(run_dir: Path) -> None:
+    """The journal of an ended job, set back to a job still running (its master gone)."""
+    db = sqlite3.connect(run_dir / "master.db")
+    try:
+        (value,) = db.execute("SELECT value FROM parts WHERE key = 'job'").fetchone()
+        job = {**json.loads(value), "state": "running", "reason": ""}
+        with db:
+            db.execute("UPDATE parts SET value = ? WHERE key = 'job'", (json.dumps(job),))
+    finally:
+        db.close()
+
+
+def _untouched(run_dir: Path) -> dict[str, bytes]:
+    """The run directory's files (its master lock aside: it holds the pid of the last taker)."""
+    return {
+        p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != "master.lock"
+    }
+
+
+def _refused(tmp_path: Path, mark: str, run_dir: Path) -> str:
+    before = _untouched(run_dir)
+    resumed = run(tmp_path, mark, "--resume", str(run_dir))
+    said = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 2, said[-3000:]
+    assert "Traceback" not in said
+    after = _untouched(run_dir)
+    assert after == before, "a refused resume wrote in the run directory"
+    return " ".join(said.split())
+
+
+@pytest.mark.parametrize("target", [".", "master.db", "master.db-wal", "token"])
+@pytest.mark.parametrize("bits", [0o020, 0o002])
+def test_resume_refuses_a_run_dir_others_can_write(tmp_path, mark, target, bits):
+    run_dir = _ended_run(tmp_path, mark)
+    _as_if_its_master_died(run_dir)
+    path = run_dir / target
+    if not path.exists():  # the WAL, gone with the master that closed it: as a killed one left it
+        path.touch(mode=0o600)
+    path.chmod(path.stat().st_mode & 0o777 | bits)
+    said = _refused(tmp_path, mark, run_dir)
+    who = "group" if bits == 0o020 else "others"
+    assert f"{path if target != '.' else run_dir} is writable by {who}" in said
+    assert "refusing to resume" in said
+
+
+@pytest.mark.parametrize("target", [".", "master.db", "token"])
+def test_resume_refuses_a_run_dir_of_another_user(tmp_path, mark, target):
+    if os.geteuid() != 0:
+        pytest.skip("giving a file to another user takes root")
+    run_dir = _ended_run(tmp_path, mark)
+    _as_if_its_master_died(run_dir)
+    path = run_dir if target == "." else run_dir / target
+    os.chown(path, 65534, 65534)  # nobody
+    said = _refused(tmp_path, mark, run_dir)
+    assert f"{path} is owned by uid 65534" in said
+    assert "not by this user (uid 0" in said
+
+
+def test_resume_refuses_a_symbolic_link_for_a_token(tmp_path, mark):
+    run_dir = _ended_run(tmp_path, mark)
+    _as_if_its_master_died(run_dir)
+    elsewhere = tmp_path / "token"
+    (run_dir / "token").rename(elsewhere)
+    (run_dir / "token").symlink_to(elsewhere)
+    said = _refused(tmp_path, mark, run_dir)
+    assert f"{run_dir / 'token'} is a symbolic link" in said
+
+
+@pytest.mark.parametrize(
+    ("damage", "told"),
+    [
+        ("no rounds", "is damaged: it has no 'rounds' part"),
+        ("bogus state", "is damaged: part 'job': 'bogus' is not a valid JobState"),
+        ("bad node", "is damaged: node 'node-0': 'lurking' is not a valid NodePhase"),
+        ("no token", "cannot read the job's token {run_dir}/token: No such file or directory"),
+    ],
+)
+def test_a_damaged_journal_is_a_clear_error_not_a_traceback(tmp_path, mark, damage, told):
+    run_dir = _ended_run(tmp_path, mark)
+    _as_if_its_master_died(run_dir)
+    if damage == "no rounds":
+        _journal(run_dir, ("DELETE FROM parts WHERE key = 'rounds'", ()))
+    elif damage == "bogus state":
+        job = json.dumps({"state": "bogus", "reason": ""})
+        _journal(run_dir, ("UPDATE parts SET value = ? WHERE key = 'job'", (job,)))
+    elif damage == "bad node":
+        node = json.dumps({"node_id": "node-0", "host": "h", "phase": "lurking"})
+        _journal(run_dir, ("UPDATE nodes SET value = ? WHERE node_id = 'node-0'", (node,)))
+    else:
+        (run_dir / "token").unlink()
+    said = _refused(tmp_path, mark, run_dir)
+    assert told.format(run_dir=run_dir) in said
+    if damage != "no token":
+        assert f"the master journal {run_dir / 'master.db'}" in said

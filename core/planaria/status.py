@@ -22,7 +22,8 @@ from pydantic import ValidationError
 from planaria import rundir
 from planaria.errors import PlanariaError
 from planaria.events import EventKind, JobEvent
-from planaria.master.journal import Journal, JournalError
+from planaria.master.journal import NAME as JOURNAL_FILE
+from planaria.master.journal import Journal, JournalError, Journalled, damaged
 from planaria.master.runner import TOKEN_FILE
 from planaria.master.state import JobState
 from planaria.master.tls import CERT_NAME
@@ -136,6 +137,14 @@ def ask(url: str, token: str, run_dir: Path | None) -> JobStatus:
 def ended(run_dir: Path, events: list[JobEvent]) -> JobStatus:
     """The job's last state from its journal; each node's last step from the timeline."""
     journalled = _journalled(run_dir)
+    try:
+        with damaged(run_dir / JOURNAL_FILE, "its parts"):
+            return _ended(run_dir, journalled, events)
+    except JournalError as exc:
+        raise StatusError(str(exc)) from None
+
+
+def _ended(run_dir: Path, journalled: Journalled, events: list[JobEvent]) -> JobStatus:
     parts, meta = journalled.parts, journalled.meta
     job = parts.get("job") or {}
     spec = meta.get("spec") or {}
@@ -147,7 +156,8 @@ def ended(run_dir: Path, events: list[JobEvent]) -> JobStatus:
         known = JobState(state)
     except ValueError:
         raise StatusError(
-            f"the journal of {run_dir} says the job is {state!r}: not a state this planaria knows"
+            f"the master journal {run_dir / JOURNAL_FILE} is damaged: part 'job', 'state' is "
+            f"{state!r}, not a state this planaria knows"
         ) from None
     if not known.terminal:
         reason = (
@@ -184,13 +194,13 @@ def ended(run_dir: Path, events: list[JobEvent]) -> JobStatus:
     )
 
 
-def _journalled(run_dir: Path) -> Any:
+def _journalled(run_dir: Path) -> Journalled:
+    """The journal read without writing: a live master's is left alone, and a run on a
+    read-only mount can still be read."""
     try:
-        journal, journalled = Journal.open(run_dir)
+        return Journal.read(run_dir)
     except JournalError as exc:
         raise StatusError(str(exc)) from None
-    journal.close()
-    return journalled
 
 
 def _recent(events: list[JobEvent], count: int) -> list[JobEvent]:
