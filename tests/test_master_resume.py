@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from test_run import EXAMPLE, job, mark, run, start  # noqa: F401  (mark is a fixture)
 
+from planaria.master.timeline import fault_rows, read_summary
 from planaria.process import running
 
 torch = pytest.importorskip("torch")
@@ -76,6 +77,22 @@ def _wait_step(run_dir: Path, step: int, timeout: float = 120) -> None:
     while _step(run_dir) < step:
         assert time.monotonic() < deadline, f"training did not reach step {step}"
         time.sleep(0.1)
+
+
+def _wait_sampled(run_dir: Path, step: int, timeout: float = 60) -> int:
+    """Wait until the timeline samples a step of at least ``step``; the last sampled."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = (run_dir / "events.jsonl").read_text().splitlines()
+        sampled = [
+            int(e["step"])
+            for e in (json.loads(line) for line in lines[:-1])  # the last may be partial
+            if e["kind"] == "progress"
+        ]
+        if sampled and max(sampled) >= step:
+            return max(sampled)
+        assert time.monotonic() < deadline, f"no step {step} sampled in the timeline"
+        time.sleep(0.2)
 
 
 def _events(run_dir: Path) -> list[dict[str, object]]:
@@ -143,6 +160,7 @@ def test_agents_stop_their_workers_once_the_master_is_gone_for_the_grace(tmp_pat
     try:
         run_dir = _run_dir(tmp_path)
         _wait_step(run_dir, 3)
+        known = _wait_sampled(run_dir, 8)
         agents = _agent_pids(run_dir)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
@@ -170,6 +188,18 @@ def test_agents_stop_their_workers_once_the_master_is_gone_for_the_grace(tmp_pat
     assert kinds.count("node_replaced") == 2
     assert "node_reattached" not in kinds
     assert kinds[-1] == "job_finished"
+    # The fault that restarted the job counts the steps redone from storage against the last
+    # step the master before knew of (the timeline's last samples); the workers trained on
+    # unheard through the grace, so it is a lower bound, and says so.
+    summary = read_summary(run_dir)
+    assert summary is not None
+    (restarting,) = [f for f in summary.faults if f.restart_round is not None]
+    assert restarting.kind == "node_lost" and restarting.restored_from == "storage"
+    assert restarting.last_step >= known
+    assert restarting.first_step_after is not None
+    assert restarting.steps_lost == max(0, restarting.last_step - restarting.first_step_after + 1)
+    (row,) = [r for r in fault_rows(summary) if r[2] == restarting.detail]
+    assert row[-1] == f"at least {restarting.steps_lost}"
 
 
 def test_resume_refuses_a_run_that_ended_or_is_not_one(tmp_path, mark):

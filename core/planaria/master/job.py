@@ -47,7 +47,7 @@ from planaria.master.state import (
     UnknownNode,
     Wake,
 )
-from planaria.master.timeline import Fault, Summary, Timeline
+from planaria.master.timeline import Fault, Summary, Timeline, last_steps
 from planaria.protocol import (
     Action,
     CheckpointEvent,
@@ -202,8 +202,7 @@ class Master:
         for name in ("job", "rounds", "recovery", "checkpoints", "fence"):
             if name not in parts:
                 raise JournalError(
-                    f"the master journal {path} is damaged: it has no {name!r} part (table "
-                    "parts)"
+                    f"the master journal {path} is damaged: it has no {name!r} part (table parts)"
                 )
         with damaged(path, "part 'job'"):
             job = parts["job"]
@@ -227,11 +226,15 @@ class Master:
                 NodeHandle.model_validate(raw)
         self.preflight.finished = True
         now = time.monotonic()
+        # What training had reached when the master before this one last heard: a fault of
+        # a node that never comes back counts the steps redone from there.
+        steps = last_steps(self.timeline.path, self.rounds.round)
         for node_id, record in journalled.nodes.items():
             with damaged(path, f"node {node_id!r}"):
                 node = Node.from_record(record)
             node.attached = node.phase in (NodePhase.LAUNCHED,) or node.phase.gone
             node.last_seen = now
+            node.step = steps.get(node.node_id, -1)
             self.fleet.add(node)
         if self.state is JobState.RENDEZVOUS:  # re-formed from the joins that come now
             self._round_settled = Wake()

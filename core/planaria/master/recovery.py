@@ -167,6 +167,7 @@ class Recovery:
             time=time.time(),
             action="",
             last_step=node.step,
+            lower_bound=not node.attached,
         )
         self.timeline.emit(
             events.FaultDetected(fault="node_lost", host=node.host), fault.detail, node=node.node_id
