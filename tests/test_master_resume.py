@@ -79,18 +79,23 @@ def _wait_step(run_dir: Path, step: int, timeout: float = 120) -> None:
         time.sleep(0.1)
 
 
-def _wait_sampled(run_dir: Path, step: int, timeout: float = 60) -> int:
-    """Wait until the timeline samples a step of at least ``step``; the last sampled."""
+def _sampled(run_dir: Path) -> dict[str, int]:
+    """Each node's last step sampled in the timeline (a partial last line passed over)."""
+    found: dict[str, int] = {}
+    for line in (run_dir / "events.jsonl").read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if event["kind"] == "progress":
+            found[event["node"]] = int(event["step"])
+    return found
+
+
+def _wait_sampled(run_dir: Path, step: int, timeout: float = 60) -> None:
+    """Wait until the timeline samples a step of at least ``step``."""
     deadline = time.monotonic() + timeout
-    while True:
-        lines = (run_dir / "events.jsonl").read_text().splitlines()
-        sampled = [
-            int(e["step"])
-            for e in (json.loads(line) for line in lines[:-1])  # the last may be partial
-            if e["kind"] == "progress"
-        ]
-        if sampled and max(sampled) >= step:
-            return max(sampled)
+    while max(_sampled(run_dir).values(), default=-1) < step:
         assert time.monotonic() < deadline, f"no step {step} sampled in the timeline"
         time.sleep(0.2)
 
@@ -160,11 +165,12 @@ def test_agents_stop_their_workers_once_the_master_is_gone_for_the_grace(tmp_pat
     try:
         run_dir = _run_dir(tmp_path)
         _wait_step(run_dir, 3)
-        known = _wait_sampled(run_dir, 8)
+        _wait_sampled(run_dir, 8)
         agents = _agent_pids(run_dir)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         killed = time.monotonic()
+        known = _sampled(run_dir)  # what the master knew of each node when it died
         deadline = killed + 30
         while any(running(pid) for pid in agents):
             assert time.monotonic() < deadline, "agents outlived the grace by far"
@@ -195,7 +201,7 @@ def test_agents_stop_their_workers_once_the_master_is_gone_for_the_grace(tmp_pat
     assert summary is not None
     (restarting,) = [f for f in summary.faults if f.restart_round is not None]
     assert restarting.kind == "node_lost" and restarting.restored_from == "storage"
-    assert restarting.last_step >= known
+    assert restarting.last_step >= known[restarting.node] >= 0
     assert restarting.first_step_after is not None
     assert restarting.steps_lost == max(0, restarting.last_step - restarting.first_step_after + 1)
     (row,) = [r for r in fault_rows(summary) if r[2] == restarting.detail]
