@@ -92,11 +92,11 @@ def _sampled(run_dir: Path) -> dict[str, int]:
     return found
 
 
-def _wait_sampled(run_dir: Path, step: int, timeout: float = 60) -> None:
-    """Wait until the timeline samples a step of at least ``step``."""
+def _wait_sampled(run_dir: Path, nodes: int, timeout: float = 60) -> None:
+    """Wait until the timeline samples a step of each of ``nodes`` nodes."""
     deadline = time.monotonic() + timeout
-    while max(_sampled(run_dir).values(), default=-1) < step:
-        assert time.monotonic() < deadline, f"no step {step} sampled in the timeline"
+    while len(_sampled(run_dir)) < nodes:
+        assert time.monotonic() < deadline, f"the timeline sampled no step of {nodes} nodes"
         time.sleep(0.2)
 
 
@@ -165,7 +165,7 @@ def test_agents_stop_their_workers_once_the_master_is_gone_for_the_grace(tmp_pat
     try:
         run_dir = _run_dir(tmp_path)
         _wait_step(run_dir, 3)
-        _wait_sampled(run_dir, 8)
+        _wait_sampled(run_dir, 2)
         agents = _agent_pids(run_dir)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
@@ -202,9 +202,13 @@ def test_agents_stop_their_workers_once_the_master_is_gone_for_the_grace(tmp_pat
     (restarting,) = [f for f in summary.faults if f.restart_round is not None]
     assert restarting.kind == "node_lost" and restarting.restored_from == "storage"
     assert restarting.last_step >= known[restarting.node] >= 0
-    assert restarting.first_step_after is not None
-    assert restarting.steps_lost == max(0, restarting.last_step - restarting.first_step_after + 1)
     (row,) = [r for r in fault_rows(summary) if r[2] == restarting.detail]
+    if restarting.first_step_after is None:
+        # Training ran to its end within the grace: the restored step was the last, and the
+        # restarted round had no step to redo.
+        assert row[-1] == "-"
+        return
+    assert restarting.steps_lost == max(0, restarting.last_step - restarting.first_step_after + 1)
     assert row[-1] == f"at least {restarting.steps_lost}"
 
 
