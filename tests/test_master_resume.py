@@ -8,6 +8,7 @@ Real processes throughout: ``planaria run`` is SIGKILLed from outside mid-traini
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sqlite3
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 from test_run import EXAMPLE, job, mark, run, start  # noqa: F401  (mark is a fixture)
 
+from planaria.master.timeline import fault_rows, read_summary
 from planaria.process import running
 
 torch = pytest.importorskip("torch")
@@ -75,6 +77,27 @@ def _wait_step(run_dir: Path, step: int, timeout: float = 120) -> None:
     while _step(run_dir) < step:
         assert time.monotonic() < deadline, f"training did not reach step {step}"
         time.sleep(0.1)
+
+
+def _sampled(run_dir: Path) -> dict[str, int]:
+    """Each node's last step sampled in the timeline (a partial last line passed over)."""
+    found: dict[str, int] = {}
+    for line in (run_dir / "events.jsonl").read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if event["kind"] == "progress":
+            found[event["node"]] = int(event["step"])
+    return found
+
+
+def _wait_sampled(run_dir: Path, nodes: int, timeout: float = 60) -> None:
+    """Wait until the timeline samples a step of each of ``nodes`` nodes."""
+    deadline = time.monotonic() + timeout
+    while len(_sampled(run_dir)) < nodes:
+        assert time.monotonic() < deadline, f"the timeline sampled no step of {nodes} nodes"
+        time.sleep(0.2)
 
 
 def _events(run_dir: Path) -> list[dict[str, object]]:
@@ -142,10 +165,12 @@ def test_agents_stop_their_workers_once_the_master_is_gone_for_the_grace(tmp_pat
     try:
         run_dir = _run_dir(tmp_path)
         _wait_step(run_dir, 3)
+        _wait_sampled(run_dir, 2)
         agents = _agent_pids(run_dir)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         killed = time.monotonic()
+        known = _sampled(run_dir)  # what the master knew of each node when it died
         deadline = killed + 30
         while any(running(pid) for pid in agents):
             assert time.monotonic() < deadline, "agents outlived the grace by far"
@@ -169,6 +194,22 @@ def test_agents_stop_their_workers_once_the_master_is_gone_for_the_grace(tmp_pat
     assert kinds.count("node_replaced") == 2
     assert "node_reattached" not in kinds
     assert kinds[-1] == "job_finished"
+    # The fault that restarted the job counts the steps redone from storage against the last
+    # step the master before knew of (the timeline's last samples); the workers trained on
+    # unheard through the grace, so it is a lower bound, and says so.
+    summary = read_summary(run_dir)
+    assert summary is not None
+    (restarting,) = [f for f in summary.faults if f.restart_round is not None]
+    assert restarting.kind == "node_lost" and restarting.restored_from == "storage"
+    assert restarting.last_step >= known[restarting.node] >= 0
+    (row,) = [r for r in fault_rows(summary) if r[2] == restarting.detail]
+    if restarting.first_step_after is None:
+        # Training ran to its end within the grace: the restored step was the last, and the
+        # restarted round had no step to redo.
+        assert row[-1] == "-"
+        return
+    assert restarting.steps_lost == max(0, restarting.last_step - restarting.first_step_after + 1)
+    assert row[-1] == f"at least {restarting.steps_lost}"
 
 
 def test_resume_refuses_a_run_that_ended_or_is_not_one(tmp_path, mark):
@@ -192,6 +233,8 @@ def test_a_second_master_on_a_live_run_is_refused(tmp_path, mark):
         second = run(tmp_path, mark, "--resume", str(run_dir))
         assert second.returncode == 2
         assert "is still running the job" in second.stdout + second.stderr
+        # Refused before it wrote anything: the live job's timeline tells no resume.
+        assert [e for e in _events(run_dir) if e["kind"] == "master_resumed"] == []
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -199,3 +242,120 @@ def test_a_second_master_on_a_live_run_is_refused(tmp_path, mark):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+# -- what a resume refuses before it writes anything ------------------------------------------
+
+
+def _ended_run(tmp_path: Path, mark: str) -> Path:
+    """The run directory of a job that ran to its end in a moment."""
+    done = run(tmp_path, mark, str(_config(tmp_path, "5s")), "--", sys.executable, "-c", "pass")
+    assert done.returncode == 0, done.stdout[-2000:]
+    (run_dir,) = (p.parent for p in tmp_path.glob("planaria-runs/*/master.db"))
+    return run_dir
+
+
+def _journal(run_dir: Path, *statements: tuple[str, tuple[object, ...]]) -> None:
+    db = sqlite3.connect(run_dir / "master.db")
+    try:
+        with db:
+            for sql, args in statements:
+                db.execute(sql, args)
+    finally:
+        db.close()
+
+
+def _as_if_its_master_died(run_dir: Path) -> None:
+    """The journal of an ended job, set back to a job still running (its master gone)."""
+    db = sqlite3.connect(run_dir / "master.db")
+    try:
+        (value,) = db.execute("SELECT value FROM parts WHERE key = 'job'").fetchone()
+        job = {**json.loads(value), "state": "running", "reason": ""}
+        with db:
+            db.execute("UPDATE parts SET value = ? WHERE key = 'job'", (json.dumps(job),))
+    finally:
+        db.close()
+
+
+def _untouched(run_dir: Path) -> dict[str, bytes]:
+    """The run directory's files (its master lock aside: it holds the pid of the last taker)."""
+    return {
+        p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != "master.lock"
+    }
+
+
+def _refused(tmp_path: Path, mark: str, run_dir: Path) -> str:
+    before = _untouched(run_dir)
+    resumed = run(tmp_path, mark, "--resume", str(run_dir))
+    said = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 2, said[-3000:]
+    assert "Traceback" not in said
+    after = _untouched(run_dir)
+    assert after == before, "a refused resume wrote in the run directory"
+    return " ".join(said.split())
+
+
+@pytest.mark.parametrize("target", [".", "master.db", "master.db-wal", "token"])
+@pytest.mark.parametrize("bits", [0o020, 0o002])
+def test_resume_refuses_a_run_dir_others_can_write(tmp_path, mark, target, bits):
+    run_dir = _ended_run(tmp_path, mark)
+    _as_if_its_master_died(run_dir)
+    path = run_dir / target
+    if not path.exists():  # the WAL, gone with the master that closed it: as a killed one left it
+        path.touch(mode=0o600)
+    path.chmod(path.stat().st_mode & 0o777 | bits)
+    said = _refused(tmp_path, mark, run_dir)
+    who = "group" if bits == 0o020 else "others"
+    assert f"{path if target != '.' else run_dir} is writable by {who}" in said
+    assert "refusing to resume" in said
+
+
+@pytest.mark.parametrize("target", [".", "master.db", "token"])
+def test_resume_refuses_a_run_dir_of_another_user(tmp_path, mark, target):
+    if os.geteuid() != 0:
+        pytest.skip("giving a file to another user takes root")
+    run_dir = _ended_run(tmp_path, mark)
+    _as_if_its_master_died(run_dir)
+    path = run_dir if target == "." else run_dir / target
+    os.chown(path, 65534, 65534)  # nobody
+    said = _refused(tmp_path, mark, run_dir)
+    assert f"{path} is owned by uid 65534" in said
+    assert "not by this user (uid 0" in said
+
+
+def test_resume_refuses_a_symbolic_link_for_a_token(tmp_path, mark):
+    run_dir = _ended_run(tmp_path, mark)
+    _as_if_its_master_died(run_dir)
+    elsewhere = tmp_path / "token"
+    (run_dir / "token").rename(elsewhere)
+    (run_dir / "token").symlink_to(elsewhere)
+    said = _refused(tmp_path, mark, run_dir)
+    assert f"{run_dir / 'token'} is a symbolic link" in said
+
+
+@pytest.mark.parametrize(
+    ("damage", "told"),
+    [
+        ("no rounds", "is damaged: it has no 'rounds' part"),
+        ("bogus state", "is damaged: part 'job': 'bogus' is not a valid JobState"),
+        ("bad node", "is damaged: node 'node-0': 'lurking' is not a valid NodePhase"),
+        ("no token", "cannot read the job's token {run_dir}/token: No such file or directory"),
+    ],
+)
+def test_a_damaged_journal_is_a_clear_error_not_a_traceback(tmp_path, mark, damage, told):
+    run_dir = _ended_run(tmp_path, mark)
+    _as_if_its_master_died(run_dir)
+    if damage == "no rounds":
+        _journal(run_dir, ("DELETE FROM parts WHERE key = 'rounds'", ()))
+    elif damage == "bogus state":
+        job = json.dumps({"state": "bogus", "reason": ""})
+        _journal(run_dir, ("UPDATE parts SET value = ? WHERE key = 'job'", (job,)))
+    elif damage == "bad node":
+        node = json.dumps({"node_id": "node-0", "host": "h", "phase": "lurking"})
+        _journal(run_dir, ("UPDATE nodes SET value = ? WHERE node_id = 'node-0'", (node,)))
+    else:
+        (run_dir / "token").unlink()
+    said = _refused(tmp_path, mark, run_dir)
+    assert told.format(run_dir=run_dir) in said
+    if damage != "no token":
+        assert f"the master journal {run_dir / 'master.db'}" in said

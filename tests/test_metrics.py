@@ -309,7 +309,7 @@ def test_a_node_id_of_any_characters_comes_back_as_it_is(tmp_path: Path) -> None
 
 
 def test_events_before_the_metrics_were_made_are_counted_too(tmp_path: Path) -> None:
-    """A resumed master emits ``master_resumed`` before its API (and its metrics) exist."""
+    """Events a master emits before its API (and its metrics) exist are counted too."""
     master = Master(settings(tmp_path), LocalScheduler(LocalOptions()), tmp_path)
     try:
         restart = events.WorkersRestarted(round=2, cause="fault", fault="hang", restart=1)

@@ -104,3 +104,32 @@ def test_a_path_that_is_no_run_is_a_clear_error(tmp_path):
     assert result.returncode == 2 and "is not a planaria run directory" in result.stderr
     result = status()
     assert result.returncode == 2 and "give a run directory" in result.stderr
+
+
+def test_status_of_an_ended_run_on_a_read_only_mount(tmp_path, mark):
+    from test_run import run
+
+    config = job(tmp_path, job={"nodes": 1, "procs_per_node": 1})
+    done = run(tmp_path, mark, str(config), "--", sys.executable, "-c", "pass")
+    assert done.returncode == 0, done.stdout[-2000:]
+    (run_dir,) = (p.parent for p in tmp_path.glob("planaria-runs/*/master.db"))
+    mounted = os.geteuid() == 0  # root writes past a mode: a read-only mount stops it
+    if mounted:
+        subprocess.run(["mount", "--bind", str(run_dir), str(run_dir)], check=True)
+    try:
+        if mounted:
+            subprocess.run(["mount", "-o", "remount,ro,bind", str(run_dir)], check=True)
+        else:
+            run_dir.chmod(0o500)
+        with pytest.raises(OSError):
+            (run_dir / "probe").touch()
+        view = status_json(str(run_dir))
+        assert view["state"] == "succeeded" and not view["running"]
+        text = status(str(run_dir))
+        assert text.returncode == 0 and "succeeded (over)" in text.stdout, text.stderr
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(run_dir)], check=True)
+        else:
+            run_dir.chmod(0o700)
+    assert not list(run_dir.glob("master.db-*"))

@@ -26,7 +26,8 @@ from pydantic import ValidationError
 from planaria import rundir
 from planaria.errors import PlanariaError
 from planaria.events import JobEvent
-from planaria.master.journal import Journal, JournalError
+from planaria.master.journal import NAME as JOURNAL_FILE
+from planaria.master.journal import Journal, JournalError, Journalled, damaged
 from planaria.master.runner import TOKEN_FILE
 from planaria.master.state import JobState
 from planaria.master.tls import (
@@ -189,10 +190,18 @@ def _check_pin(url: str, run_dir: Path | None, expected: str, got: str) -> None:
         )
 
 
-def ended(run_dir: Path, steps: dict[str, int], journalled: Any = None) -> JobStatus:
+def ended(run_dir: Path, steps: dict[str, int], journalled: Journalled | None = None) -> JobStatus:
     """The job's last state from its journal; each node's last step as ``steps`` says (the
     end of the timeline: :func:`planaria.rundir.tail`)."""
     journalled = journalled or _journalled(run_dir)
+    try:
+        with damaged(run_dir / JOURNAL_FILE, "its parts"):
+            return _ended(run_dir, journalled, steps)
+    except JournalError as exc:
+        raise StatusError(str(exc)) from None
+
+
+def _ended(run_dir: Path, journalled: Journalled, steps: dict[str, int]) -> JobStatus:
     parts, meta = journalled.parts, journalled.meta
     job = parts.get("job") or {}
     spec = meta.get("spec") or {}
@@ -204,7 +213,8 @@ def ended(run_dir: Path, steps: dict[str, int], journalled: Any = None) -> JobSt
         known = JobState(state)
     except ValueError:
         raise StatusError(
-            f"the journal of {run_dir} says the job is {state!r}: not a state this planaria knows"
+            f"the master journal {run_dir / JOURNAL_FILE} is damaged: part 'job', 'state' is "
+            f"{state!r}, not a state this planaria knows"
         ) from None
     if not known.terminal:
         reason = (
@@ -237,10 +247,10 @@ def ended(run_dir: Path, steps: dict[str, int], journalled: Any = None) -> JobSt
     )
 
 
-def _journalled(run_dir: Path) -> Any:
+def _journalled(run_dir: Path) -> Journalled:
+    """The journal read without writing: a live master's is left alone, and a run on a
+    read-only mount can still be read."""
     try:
-        journal, journalled = Journal.open(run_dir)
+        return Journal.read(run_dir)
     except JournalError as exc:
         raise StatusError(str(exc)) from None
-    journal.close()
-    return journalled

@@ -28,7 +28,8 @@ from planaria.master import restore
 from planaria.master.checkpoints import Fence, JobCheckpoints
 from planaria.master.diagnosis import Diagnosis
 from planaria.master.fleet import Fleet
-from planaria.master.journal import Journal, Journalled
+from planaria.master.journal import NAME as JOURNAL_FILE
+from planaria.master.journal import Journal, JournalError, Journalled, damaged
 from planaria.master.policy import Decision, FaultType, Source
 from planaria.master.preflight import Preflight
 from planaria.master.recovery import Recovery
@@ -46,7 +47,7 @@ from planaria.master.state import (
     UnknownNode,
     Wake,
 )
-from planaria.master.timeline import Fault, Summary, Timeline
+from planaria.master.timeline import Fault, Summary, Timeline, last_steps
 from planaria.protocol import (
     Action,
     CheckpointEvent,
@@ -128,6 +129,8 @@ class Master:
         self._journal_write: asyncio.Future[None] | None = None
         self._told_fenced: set[str] = set()
         self.fence = Fence(self.spec.checkpoint)
+        self._down: float | None = None
+        """A resumed master's: how long the job went without one."""
 
     # -- the journal ------------------------------------------------------------------------
 
@@ -197,35 +200,58 @@ class Master:
     def resume(self, journalled: Journalled) -> None:
         """Take the job over where the master before this one left it. The nodes it had
         are expected back: every one is asked to re-attach first (agents keep their workers
-        training meanwhile), and each gets a fresh heartbeat window."""
+        training meanwhile), and each gets a fresh heartbeat window. Writes nothing (see
+        :meth:`announce_resume`); raises :class:`JournalError` naming what is damaged."""
+        path = self.run_dir / JOURNAL_FILE
         parts = journalled.parts
-        job = parts["job"]
-        self.state = JobState(job["state"])
-        self.reason = job["reason"]
-        self.started = job["started"]
-        self.first_step_at = job["first_step_at"]
-        self.first_step = int(job.get("first_step", 0))
-        self.finished_at = job["finished_at"]
-        self.restore = job["restore"]
-        self.persist_step = job["persist_step"]
-        self.rounds.restore(parts["rounds"], time.time())
-        self.recovery.restore(parts["recovery"])
-        self.checkpoints.restore(parts["checkpoints"])
-        self.fence.generation = int(parts["fence"])
+        for name in ("job", "rounds", "recovery", "checkpoints", "fence"):
+            if name not in parts:
+                raise JournalError(
+                    f"the master journal {path} is damaged: it has no {name!r} part (table parts)"
+                )
+        with damaged(path, "part 'job'"):
+            job = parts["job"]
+            self.state = JobState(job["state"])
+            self.reason = str(job["reason"])
+            self.started = float(job["started"])
+            self.first_step_at = job["first_step_at"]
+            self.first_step = int(job.get("first_step", 0))
+            self.finished_at = job["finished_at"]
+            self.restore = str(job["restore"])
+            self.persist_step = job["persist_step"]
+        with damaged(path, "part 'rounds'"):
+            self.rounds.restore(parts["rounds"], time.time())
+        with damaged(path, "part 'recovery'"):
+            self.recovery.restore(parts["recovery"])
+        with damaged(path, "part 'checkpoints'"):
+            self.checkpoints.restore(parts["checkpoints"])
+        with damaged(path, "part 'fence'"):
+            self.fence.generation = int(parts["fence"])
+        for node_id, raw in journalled.handles.items():
+            with damaged(path, f"the handle of node {node_id!r}"):
+                NodeHandle.model_validate(raw)
         self.preflight.finished = True
         now = time.monotonic()
-        for record in journalled.nodes.values():
-            node = Node.from_record(record)
+        # What training had reached when the master before this one last heard: a fault of
+        # a node that never comes back counts the steps redone from there.
+        steps = last_steps(self.timeline.path, self.rounds.round)
+        for node_id, record in journalled.nodes.items():
+            with damaged(path, f"node {node_id!r}"):
+                node = Node.from_record(record)
             node.attached = node.phase in (NodePhase.LAUNCHED,) or node.phase.gone
             node.last_seen = now
+            node.step = steps.get(node.node_id, -1)
             self.fleet.add(node)
         if self.state is JobState.RENDEZVOUS:  # re-formed from the joins that come now
             self._round_settled = Wake()
         clock = parts.get("clock")
-        down = None if not isinstance(clock, float) else max(0.0, time.time() - clock)
+        self._down = None if not isinstance(clock, float) else max(0.0, time.time() - clock)
+
+    def announce_resume(self) -> None:
+        """Put the resume in the timeline, once the resumed master serves its API."""
         expected = [n.node_id for n in self.nodes.values() if not n.attached]
         self.timeline.emit(
-            events.MasterResumed(round=self.rounds.round, nodes=expected, down_s=down),
+            events.MasterResumed(round=self.rounds.round, nodes=expected, down_s=self._down),
             f"master resumed the job at round {self.rounds.round} ({self.state.value}); "
             f"{len(expected)} node(s) to re-attach",
         )

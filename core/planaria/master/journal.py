@@ -20,10 +20,13 @@ import json
 import os
 import sqlite3
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
 
 from planaria.errors import PlanariaError
 
@@ -79,30 +82,40 @@ class Journal:
 
     @classmethod
     def open(cls, run_dir: Path) -> tuple[Journal, Journalled]:
-        path = run_dir / NAME
-        if not path.is_file():
-            raise JournalError(
-                f"{run_dir} holds no master journal ({NAME}): it is not a planaria run "
-                "directory, or its job was started by a planaria without one"
-            )
+        """The journal of ``run_dir`` to go on writing (a resumed master), and what it holds."""
+        path = existing(run_dir)
+        db = None
         try:
             db = _connect(path)
-            meta = {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM meta")}
-            parts = {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM parts")}
-            nodes = {k: json.loads(v) for k, v in db.execute("SELECT node_id, value FROM nodes")}
-            handles = {
-                k: json.loads(v) for k, v in db.execute("SELECT node_id, value FROM handles")
-            }
-        except (sqlite3.Error, json.JSONDecodeError) as exc:
-            raise JournalError(f"cannot read the master journal {path}: {exc}") from None
-        if meta.get("schema") != SCHEMA:
-            raise JournalError(
-                f"the master journal {path} has schema {meta.get('schema')!r}; this planaria "
-                f"reads schema {SCHEMA}"
-            )
+            journalled = _read(db, path)
+        except BaseException as exc:
+            if db is not None:
+                db.close()
+            if isinstance(exc, sqlite3.Error):
+                raise JournalError(f"cannot read the master journal {path}: {exc}") from None
+            raise
         journal = cls(path, db)
-        journal._written = {k: json.dumps(v, sort_keys=True) for k, v in parts.items()}
-        return journal, Journalled(meta, parts, nodes, handles)
+        journal._written = {k: json.dumps(v, sort_keys=True) for k, v in journalled.parts.items()}
+        return journal, journalled
+
+    @staticmethod
+    def read(run_dir: Path) -> Journalled:
+        """What the journal of ``run_dir`` holds, read without writing anything (``planaria
+        status``): so that a run on a read-only mount can be read, and a live master's
+        journal is left alone."""
+        path = existing(run_dir)
+        uri = path.absolute().as_uri()
+        try:
+            return _read_uri(f"{uri}?mode=ro", path)
+        except sqlite3.Error as exc:
+            if not isinstance(exc, sqlite3.OperationalError) or os.access(path.parent, os.W_OK):
+                raise JournalError(f"cannot read the master journal {path}: {exc}") from None
+        # SQLite cannot make the WAL's index beside a journal in a directory it cannot write
+        # (a read-only mount). Nothing writes the journal there either: read it as immutable.
+        try:
+            return _read_uri(f"{uri}?mode=ro&immutable=1", path)
+        except sqlite3.Error as exc:
+            raise JournalError(f"cannot read the master journal {path}: {exc}") from None
 
     def set_meta(self, key: str, value: Any) -> None:
         with self._db:
@@ -143,6 +156,63 @@ class Journal:
 
     def close(self) -> None:
         self._db.close()
+
+
+def existing(run_dir: Path) -> Path:
+    """The journal's path in ``run_dir``; raises :class:`JournalError` when it has none."""
+    path = run_dir / NAME
+    if not path.is_file():
+        raise JournalError(
+            f"{run_dir} holds no master journal ({NAME}): it is not a planaria run "
+            "directory, or its job was started by a planaria without one"
+        )
+    return path
+
+
+@contextmanager
+def damaged(path: Path, where: str) -> Iterator[None]:
+    """Restoring from ``where`` (a part of the journal at ``path``): what a missing key or a
+    bad value raises becomes one :class:`JournalError` naming the file, the part and the key."""
+    try:
+        yield
+    except KeyError as exc:
+        key = exc.args[0] if exc.args else "?"
+        raise JournalError(
+            f"the master journal {path} is damaged: {where} has no {key!r}"
+        ) from None
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        at = ".".join(map(str, first["loc"])) or "<value>"
+        raise JournalError(
+            f"the master journal {path} is damaged: {where}, {at}: {first['msg']}"
+        ) from None
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise JournalError(f"the master journal {path} is damaged: {where}: {exc}") from None
+
+
+def _read_uri(uri: str, path: Path) -> Journalled:
+    db = sqlite3.connect(uri, uri=True)
+    try:
+        return _read(db, path)
+    finally:
+        db.close()
+
+
+def _read(db: sqlite3.Connection, path: Path) -> Journalled:
+    """What ``db`` holds (its ``sqlite3.Error`` are the caller's to say)."""
+    try:
+        meta = {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM meta")}
+        parts = {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM parts")}
+        nodes = {k: json.loads(v) for k, v in db.execute("SELECT node_id, value FROM nodes")}
+        handles = {k: json.loads(v) for k, v in db.execute("SELECT node_id, value FROM handles")}
+    except json.JSONDecodeError as exc:
+        raise JournalError(f"cannot read the master journal {path}: {exc}") from None
+    if meta.get("schema") != SCHEMA:
+        raise JournalError(
+            f"the master journal {path} has schema {meta.get('schema')!r}; this planaria "
+            f"reads schema {SCHEMA}"
+        )
+    return Journalled(meta, parts, nodes, handles)
 
 
 def _connect(path: Path) -> sqlite3.Connection:

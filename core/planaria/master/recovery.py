@@ -177,6 +177,7 @@ class Recovery:
             last_step=node.step,
             fault_class=FaultClass.NODE.value,
             reason=why,
+            lower_bound=not node.attached,
         )
         self.timeline.emit(
             events.FaultDetected(

@@ -33,12 +33,14 @@ from planaria.errors import ConfigError, ConfigIssue
 from planaria.events import JobEvent
 from planaria.master import scale
 from planaria.master.job import Master
-from planaria.master.journal import Journal, JournalError, Journalled
+from planaria.master.journal import NAME as JOURNAL_FILE
+from planaria.master.journal import Journal, JournalError, Journalled, damaged, existing
 from planaria.master.server import ServerLimits, make_app, serve
 from planaria.master.state import JobSettings, JobState
 from planaria.master.timeline import Summary, write_summary
 from planaria.master.tls import job_certificate, server_context
 from planaria.master.transport import transport
+from planaria.master.trust import check_private
 from planaria.plugin.manager import PluginManager
 from planaria.plugin.records import PluginKind
 from planaria.protocol import FINGERPRINT_ENV, MASTER_ENV, TOKEN_ENV, CheckpointSpec, JobSpec
@@ -319,52 +321,90 @@ async def run_job(
     run_id, run_dir = _run_dir(resolved)
     token = secrets.token_urlsafe(32)
     _write_token(run_dir, token)
-    spec = _job_spec(resolved, run_id, run_dir, preflight_only)
-    dump = resolved.dump()
-    dump["job"]["workdir"] = spec.workdir  # absolute: a resumed master may run elsewhere
-    journal = Journal.create(
-        run_dir,
-        {"config": dump, "source": resolved.source, "spec": spec.model_dump(mode="json")},
-    )
-    master = _master(resolved, manager, spec, run_dir, hooks or RunHooks(), preflight_only)
-    master.keep_journal(journal)
-    return await _run(resolved, master, token, hooks or RunHooks(), None), run_dir
+    lock = _lock(run_dir)
+    try:
+        spec = _job_spec(resolved, run_id, run_dir, preflight_only)
+        dump = resolved.dump()
+        dump["job"]["workdir"] = spec.workdir  # absolute: a resumed master may run elsewhere
+        journal = Journal.create(
+            run_dir,
+            {"config": dump, "source": resolved.source, "spec": spec.model_dump(mode="json")},
+        )
+        master = _master(resolved, manager, spec, run_dir, hooks or RunHooks(), preflight_only)
+        master.keep_journal(journal)
+    except BaseException:
+        os.close(lock)
+        raise
+    return await _run(resolved, master, token, hooks or RunHooks(), None, lock), run_dir
 
 
 async def resume_job(run_dir: Path, hooks: RunHooks | None = None) -> tuple[Summary, Path]:
     """Take over the job of ``run_dir`` whose master died (``planaria run --resume``): its
     config, state and nodes come from the run directory's journal; the agents, which kept
     their workers training, re-attach. Raises :class:`JournalError` (or ``ConfigError``) when
-    there is nothing to resume."""
+    there is nothing to resume, the run directory is not this user's alone, another master
+    holds it, or its journal is damaged: all of it before anything is written there."""
     hooks = hooks or RunHooks()
     run_dir = run_dir.absolute()
-    journal, journalled = Journal.open(run_dir)
+    journal_path = existing(run_dir)
+    check_private(run_dir, [JOURNAL_FILE, f"{JOURNAL_FILE}-wal", f"{JOURNAL_FILE}-shm", TOKEN_FILE])
+    lock = _lock(run_dir)
+    journal = None
     try:
-        state = journalled.parts.get("job", {}).get("state", JobState.STARTING.value)
-        if JobState(state).terminal:
+        journal, journalled = Journal.open(run_dir)
+        with damaged(journal_path, "part 'job'"):
+            job = journalled.parts.get("job", {})
+            state = JobState(job.get("state", JobState.STARTING.value))
+        if state.terminal:
             raise JournalError(
-                f"the job of {run_dir} has ended ({state}: "
-                f"{journalled.parts['job'].get('reason', '')}): there is nothing to resume"
+                f"the job of {run_dir} has ended ({state.value}: {job.get('reason', '')}): "
+                "there is nothing to resume"
             )
-        if state in (JobState.STARTING.value, JobState.PREFLIGHT.value):
+        if state in (JobState.STARTING, JobState.PREFLIGHT):
             raise JournalError(
-                f"the master of {run_dir} died before its job began training ({state}): "
+                f"the master of {run_dir} died before its job began training ({state.value}): "
                 "start the job again instead"
             )
-        raw = RawConfig(
-            journalled.meta["config"], source=f"{run_dir / 'master.db'} (the journalled config)"
-        )
+        with damaged(journal_path, "its meta"):
+            config, spec_ = journalled.meta["config"], journalled.meta["spec"]
+        raw = RawConfig(config, source=f"{journal_path} (the journalled config)")
         resolved, manager = load_raw(raw)
-        spec = JobSpec.model_validate(journalled.meta["spec"])
-        token = (run_dir / TOKEN_FILE).read_text().strip()
+        with damaged(journal_path, "its meta 'spec'"):
+            spec = JobSpec.model_validate(spec_)
+        token = _read_token(run_dir)
         master = _master(resolved, manager, spec, run_dir, hooks, preflight_only=False)
-        master.resume(journalled)
+        try:
+            master.resume(journalled)
+        except BaseException:
+            master.timeline.close()
+            raise
     except BaseException:
-        journal.close()
+        if journal is not None:
+            journal.close()
+        os.close(lock)
         raise
     master.keep_journal(journal)
     server = journalled.meta.get("server") or {}
-    return await _run(resolved, master, token, hooks, journalled, port=server.get("port")), run_dir
+    summary = await _run(resolved, master, token, hooks, journalled, lock, port=server.get("port"))
+    return summary, run_dir
+
+
+def _read_token(run_dir: Path) -> str:
+    path = run_dir / TOKEN_FILE
+    try:
+        token = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise JournalError(
+            f"cannot read the job's token {path}: {why}; its agents are trusted by it, so the "
+            "job cannot be resumed without it"
+        ) from None
+    if not token:
+        raise JournalError(
+            f"the job's token {path} is empty; its agents are trusted by it, so the job cannot "
+            "be resumed without it"
+        )
+    return token
 
 
 def _master(
@@ -396,11 +436,13 @@ async def _run(
     token: str,
     hooks: RunHooks,
     journalled: Journalled | None,
+    lock: int,
     port: int | None = None,
 ) -> Summary:
+    """Serve the job's API and see the job through; ``lock``: the run directory's master
+    lock, held until the end."""
     config = resolved.config
     run_dir = master.run_dir
-    lock = _lock(run_dir)
     try:
         limits = ServerLimits(
             request_timeout=config.master.request_timeout,
@@ -447,6 +489,7 @@ async def _run(
             loop.add_signal_handler(sig, interrupt, sig)
         try:
             if journalled is not None:
+                master.announce_resume()
                 await master.adopt(agents, journalled)
             job = asyncio.ensure_future(supervise(master, None if journalled else agents))
             summary = await hooks.follow(master, job)

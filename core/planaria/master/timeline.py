@@ -15,7 +15,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from planaria.diagnosis.preflight import PreflightReport
 from planaria.diagnosis.stragglers import Straggler
-from planaria.events import JobEvent, Payload
+from planaria.events import EventKind, JobEvent, Payload
 from planaria.master.policy import Crash
 
 
@@ -45,6 +45,10 @@ class Fault:
     crashes: tuple[Crash, ...] = ()
     """The failed workers, when their node had completed no step in the round: what a crash
     loop is told by (:func:`planaria.master.policy.remember`)."""
+    lower_bound: bool = False
+    """The node trained on while no master heard it (it was lost before it re-attached to a
+    resumed master): ``last_step`` is the last one known, so the steps lost are at least
+    :attr:`steps_lost`."""
 
     @property
     def recovery_s(self) -> float | None:
@@ -169,6 +173,8 @@ def fault_rows(
 def _fault_row(fault: Fault) -> tuple[str, ...]:
     recovery = "-" if fault.recovery_s is None else f"{fault.recovery_s:.2f}s"
     lost = "-" if fault.steps_lost is None else str(fault.steps_lost)
+    if fault.steps_lost is not None and fault.lower_bound:
+        lost = f"at least {lost}"
     verdict = f"{fault.fault_class}: {fault.reason}" if fault.fault_class else "-"
     restored = fault.restored_from or "-"
     return (fault.kind, verdict, fault.detail, fault.action, restored, recovery, lost)
@@ -247,6 +253,43 @@ def read_summary(run_dir: Path) -> Summary | None:
         first = exc.errors(include_url=False)[0]
         where = ".".join(map(str, first["loc"])) or "<top>"
         raise ValueError(f"{path} is not a job summary ({where}: {first['msg']})") from None
+
+
+TAIL = 1 << 20
+"""Bytes of the timeline's end :func:`last_steps` reads: many samples of every node of a big
+job, and a bounded read however long the job ran."""
+
+
+def last_steps(path: Path, round_: int, tail: int = TAIL) -> dict[str, int]:
+    """Each node's last sampled step of round ``round_`` in the timeline at ``path``, from
+    its last ``tail`` bytes: what a resumed master knows of where training got before the
+    master before it died. Lines that are no event (a partial last one) are passed over."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - tail))
+            data = f.read()
+    except OSError:
+        return {}
+    lines = data.split(b"\n")
+    if size > tail:
+        lines = lines[1:]  # the first is cut
+    steps: dict[str, int] = {}
+    for line in lines:
+        if b'"progress"' not in line:
+            continue
+        try:
+            event = JobEvent.from_line(line.decode("utf-8"))
+        except (ValueError, TypeError):
+            continue
+        if (
+            event.kind is EventKind.PROGRESS
+            and event.node is not None
+            and event.step is not None
+            and event.data.get("round") == round_
+        ):
+            steps[event.node] = max(steps.get(event.node, -1), event.step)
+    return steps
 
 
 class Timeline:
