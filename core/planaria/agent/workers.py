@@ -5,6 +5,12 @@ dataloader processes too), with PR_SET_PDEATHSIG=SIGKILL (it dies with its paren
 agent is SIGKILLed; set as :mod:`planaria.process` says), stdin from /dev/null and stdout+stderr
 appended to its log file.
 
+What leaves the group (a data loader or a helper server that called ``setsid``, a daemon that
+double-forked) is found by the launcher's marker (:mod:`planaria.leftovers`): every worker, and
+the zygote that forks them, carries it in its environment, and so does everything they start.
+Once a group is stopped, and before the next one starts, whatever still carries it (but the
+zygote) is killed: a restart or the job's end leaves no process of the workers behind.
+
 A plain Python command (``python [-u -O -B] script.py ...``, ``-m module``, ``-c code``) run by
 this very interpreter goes through a warm zygote (:mod:`planaria.agent.zygote`): one
 pre-imported interpreter per launcher that forks the workers, so that a restart pays neither
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -26,12 +33,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from planaria import process
+from planaria import leftovers, process
 from planaria.agent import zygote as _zygote
 from planaria.agent.program import (
     PythonProgram,
@@ -166,10 +173,16 @@ class _Worker:
 class WorkerGroup:
     """The workers of one spawn. ``wait()`` returns at the first failure, stopping the rest."""
 
-    def __init__(self, workers: Sequence[_Worker], stop_grace: float) -> None:
+    def __init__(
+        self,
+        workers: Sequence[_Worker],
+        stop_grace: float,
+        sweep: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self._workers = {w.spec.local_rank: w for w in workers}
         self.pids: dict[int, int] = {w.spec.local_rank: w.pid for w in workers}
         self.stop_grace = stop_grace
+        self._sweep = sweep
         self._wait_task: asyncio.Future[GroupResult] | None = None
         self._stop_task: asyncio.Future[list[WorkerExit]] | None = None
 
@@ -209,6 +222,8 @@ class WorkerGroup:
     async def _stop(self) -> list[WorkerExit]:
         running = [w for w in self._workers.values() if not w.done]
         await _terminate(running, self.stop_grace)
+        if self._sweep is not None:  # what left the workers' sessions goes with them
+            await self._sweep()
         return [w.future.result() for w in sorted(running, key=lambda w: w.order)]
 
     def exits(self) -> list[WorkerExit]:
@@ -372,7 +387,10 @@ class WorkerLauncher:
     ) -> None:
         if not command:
             raise ValueError("the worker command is empty")
-        self.command, self.cwd, self.base_env = tuple(command), Path(cwd), dict(base_env)
+        self.marker = leftovers.new_marker()
+        """Carried by the workers, the zygote and all they start: see the module docstring."""
+        self.command, self.cwd = tuple(command), Path(cwd)
+        self.base_env = leftovers.marked(base_env, self.marker)
         self.preload, self.stop_grace, self.start_timeout = (
             tuple(preload),
             stop_grace,
@@ -392,6 +410,8 @@ class WorkerLauncher:
         self._starting: asyncio.Future[None] | None = None
         self._groups: list[WorkerGroup] = []
         self._closing: asyncio.Future[None] | None = None
+        self._swept = True  # no group ran since the last sweep
+        self._sweeping = asyncio.Lock()
 
     @property
     def warm(self) -> bool:
@@ -461,15 +481,39 @@ class WorkerLauncher:
                 spec.log_path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise WorkerSpawnError(f"cannot create the log directory: {exc}") from exc
+        specs = [dataclasses.replace(s, env=leftovers.marked(s.env, self.marker)) for s in specs]
         if self.cold_reason is None and not self.warm:
             await self.start()
-        if self._zygote is not None and self.warm:
-            workers = await self._zygote.spawn(specs)
-        else:
-            workers = await self._spawn_exec(specs)
-        group = WorkerGroup(workers, self.stop_grace)
+        async with self._sweeping:  # a sweep never runs while workers start
+            if not self._swept and not any(g.running for g in self._groups):
+                await self._sweep_now()
+            self._swept = False
+            if self._zygote is not None and self.warm:
+                workers = await self._zygote.spawn(specs)
+            else:
+                workers = await self._spawn_exec(specs)
+        group = WorkerGroup(workers, self.stop_grace, self.sweep)
         self._groups = [g for g in self._groups if g.running] + [group]
         return group
+
+    async def sweep(self) -> None:
+        """Kill what the workers left running outside their process groups (it carries the
+        launcher's marker), unless a group still runs; what it found is logged."""
+        async with self._sweeping:
+            if not any(g.running for g in self._groups):
+                await self._sweep_now()
+
+    async def _sweep_now(self) -> None:
+        zygote = self.zygote_pid
+        exclude = () if zygote is None else (zygote,)
+        found = await asyncio.to_thread(leftovers.kill_survivors, self.marker, exclude=exclude)
+        self._swept = True
+        if found:
+            log.warning(
+                "killed processes the workers left running",
+                count=len(found),
+                processes=[str(s) for s in found[:20]],
+            )
 
     async def _spawn_exec(self, specs: Sequence[WorkerSpec]) -> list[_Worker]:
         argv = list(self.command)
@@ -516,6 +560,7 @@ class WorkerLauncher:
         self._groups.clear()
         if self._zygote is not None:
             await self._zygote.close()
+        await self.sweep()  # the zygote is gone: what it held goes too
         for result in stops:
             if isinstance(result, BaseException):
                 raise result
