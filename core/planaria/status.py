@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from planaria import rundir
 from planaria.errors import PlanariaError
 from planaria.events import EventKind, JobEvent
-from planaria.master.journal import Journal, JournalError
+from planaria.master.journal import Journal, JournalError, ended_mark
 from planaria.master.runner import TOKEN_FILE
 from planaria.master.state import JobState
 from planaria.master.tls import CERT_NAME
@@ -149,7 +149,14 @@ def ended(run_dir: Path, events: list[JobEvent]) -> JobStatus:
         raise StatusError(
             f"the journal of {run_dir} says the job is {state!r}: not a state this planaria knows"
         ) from None
-    if not known.terminal:
+    mark = ended_mark(run_dir)
+    if not known.terminal and mark is not None:  # the end came, the journal missed it
+        state = mark
+        reason = (
+            f"the job ended ({mark}) but its journal could not record it (a full disk?); "
+            "its summary.json says more, when it could be written"
+        )
+    elif not known.terminal:
         reason = (
             f"its master is gone (the job was {state} when it last wrote its journal): "
             f"resume it with planaria run --resume {run_dir}"

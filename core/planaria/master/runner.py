@@ -15,6 +15,7 @@ import os
 import secrets
 import shutil
 import signal
+import sqlite3
 import ssl
 import sys
 import time
@@ -31,12 +32,19 @@ from planaria.config.machine import machine_issues, workdir_issues
 from planaria.diagnosis.setup import BENCHMARK_PATH, agent_spec, master_policy
 from planaria.errors import ConfigError, ConfigIssue
 from planaria.events import JobEvent
+from planaria.log import get_logger
 from planaria.master import scale
 from planaria.master.job import Master
-from planaria.master.journal import Journal, JournalError, Journalled
+from planaria.master.journal import (
+    Journal,
+    JournalError,
+    Journalled,
+    ended_mark,
+    release_room,
+)
 from planaria.master.server import ServerLimits, make_app, serve
 from planaria.master.state import JobSettings, JobState
-from planaria.master.timeline import Summary, write_summary
+from planaria.master.timeline import SUMMARY_FILE, Summary, write_summary
 from planaria.master.tls import job_certificate, server_context
 from planaria.master.transport import transport
 from planaria.plugin.manager import PluginManager
@@ -45,6 +53,7 @@ from planaria.protocol import FINGERPRINT_ENV, MASTER_ENV, TOKEN_ENV, Checkpoint
 from planaria.scheduler.api import LaunchSpec, Scheduler
 
 TICK = 0.05
+log = get_logger("master")
 
 
 async def supervise(master: Master, launch: LaunchSpec | None) -> Summary:
@@ -56,6 +65,7 @@ async def supervise(master: Master, launch: LaunchSpec | None) -> Summary:
     spec = master.spec
     exit_deadline: float | None = None
     ticked = time.monotonic()
+    failing = ""  # why the journal cannot be written, while it cannot
     while True:
         await asyncio.sleep(TICK)
         now = time.time()
@@ -65,7 +75,13 @@ async def supervise(master: Master, launch: LaunchSpec | None) -> Summary:
         master.fleet.renew_after_stall(ticked - seen)
         if not master.stopping:
             master.tick(now, ticked)
-            master.write_journal()
+            try:
+                master.write_journal()
+                failing = ""
+            except (sqlite3.Error, OSError) as exc:  # a full disk: training goes on
+                if str(exc) != failing:
+                    log.error("cannot write the journal; retrying every tick", error=str(exc))
+                failing = str(exc)
             continue
         if exit_deadline is None:
             exit_deadline = now + spec.stop_grace + spec.heartbeat_interval + 2.0
@@ -336,6 +352,12 @@ async def resume_job(run_dir: Path, hooks: RunHooks | None = None) -> tuple[Summ
     run_dir = run_dir.absolute()
     journal, journalled = Journal.open(run_dir)
     try:
+        ended = ended_mark(run_dir)
+        if ended is not None:  # its journal may say running: the disk was full at the end
+            raise JournalError(
+                f"the job of {run_dir} has ended ({ended}, as its end mark job.ended-{ended} "
+                "says): there is nothing to resume"
+            )
         state = journalled.parts.get("job", {}).get("state", JobState.STARTING.value)
         if JobState(state).terminal:
             raise JournalError(
@@ -358,6 +380,7 @@ async def resume_job(run_dir: Path, hooks: RunHooks | None = None) -> tuple[Summ
     except BaseException:
         journal.close()
         raise
+    journal.keep_room()
     master.keep_journal(journal)
     server = journalled.meta.get("server") or {}
     return await _run(resolved, master, token, hooks, journalled, port=server.get("port")), run_dir
@@ -440,11 +463,17 @@ async def _run(
                 await master.adopt(agents, journalled)
             job = asyncio.ensure_future(supervise(master, None if journalled else agents))
             summary = await hooks.follow(master, job)
-            write_summary(run_dir, summary)
+            try:
+                write_summary(run_dir, summary)
+            except OSError as exc:  # the job's result stands: the caller prints it all the same
+                master.could_not_write(SUMMARY_FILE, exc)
+                summary = master.summary()
             return summary
         finally:
             await server.cleanup()
             master.timeline.close()
             master.journal.close()
+            if master.state.terminal:
+                release_room(run_dir)
     finally:
         os.close(lock)
