@@ -19,6 +19,7 @@ import pytest
 
 from planaria import leftovers
 from planaria.agent.program import parse_python_command, same_interpreter
+from planaria.agent.worker_logs import LogLimits
 from planaria.agent.workers import (
     GroupResult,
     WorkerExit,
@@ -415,6 +416,43 @@ def _has_env(pid: int, key: str, value: str) -> bool:
             return f"{key}={value}".encode() in f.read().split(b"\0")
     except OSError:
         return False
+
+
+def test_a_worker_printing_past_the_cap_keeps_its_newest_output_within_the_cap(
+    tmp_path: Path, warm: bool
+) -> None:
+    prog = write(
+        tmp_path / "loud.py",
+        """
+        import sys
+        for i in range(20000):  # ~2 MB of numbered lines, then the last word
+            print(f"line {i:06d} " + "x" * 90)
+        print("the end", flush=True)
+        sys.exit(3)
+        """,
+    )
+    limits = LogLimits(max_bytes=64 << 10, keep=2)
+
+    async def main() -> GroupResult:
+        lau = launcher(tmp_path, [PY, str(prog)], warm, log_limits=limits)
+        try:
+            return await (await lau.spawn(specs(tmp_path, 1))).wait()
+        finally:
+            await lau.close()
+
+    result = run(main())
+    logs = tmp_path / "logs"
+    files = sorted(p.name for p in logs.iterdir())
+    assert files == ["rank-0.log", "rank-0.log.1", "rank-0.log.2"], files
+    total = sum(p.stat().st_size for p in logs.iterdir())
+    assert total <= limits.max_bytes * (limits.keep + 1), total
+    assert all(p.stat().st_size <= limits.max_bytes for p in logs.iterdir())
+    kept = "".join((logs / name).read_text() for name in reversed(files))
+    printed = "".join(f"line {i:06d} " + "x" * 90 + "\n" for i in range(20000)) + "the end\n"
+    assert len(kept) > limits.max_bytes * limits.keep and printed.endswith(kept)
+    failure = result.first_failure
+    assert failure is not None and failure.exitcode == 3
+    assert failure.log_tail.endswith("the end")  # the tail is read after the pipe is drained
 
 
 # --- the Python program runs as `python script.py` would ------------------------------------

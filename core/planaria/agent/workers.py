@@ -3,7 +3,9 @@
 Every worker runs in its own session (stopping it kills its whole process group, e.g. its
 dataloader processes too), with PR_SET_PDEATHSIG=SIGKILL (it dies with its parent, even when the
 agent is SIGKILLed; set as :mod:`planaria.process` says), stdin from /dev/null and stdout+stderr
-appended to its log file.
+into a pipe that the launcher copies into its log file, capped and rotated
+(:mod:`planaria.agent.worker_logs`). A zygote's worker opens its pipe by name (a FIFO in a
+private directory of the launcher's), as it would open a file.
 
 What leaves the group (a data loader or a helper server that called ``setsid``, a daemon that
 double-forked) is found by the launcher's marker (:mod:`planaria.leftovers`): every worker, and
@@ -28,10 +30,12 @@ import dataclasses
 import itertools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,6 +50,7 @@ from planaria.agent.program import (
     parse_python_command,
     same_interpreter,
 )
+from planaria.agent.worker_logs import LogLimits, LogPump
 from planaria.capacity import shortfall
 from planaria.errors import PlanariaError
 from planaria.log import get_logger
@@ -136,8 +141,9 @@ def _size(path: Path) -> int:
 
 
 class _Worker:
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, pump: LogPump | None = None) -> None:
         self.spec, self.pid, self.stopping, self.order = spec, 0, False, 0
+        self.pump = pump
         self.log_start = _size(spec.log_path)
         """Where this worker's output begins in its log: the tail of a failure is its own,
         never a traceback of the worker that failed in the previous round."""
@@ -163,6 +169,8 @@ class _Worker:
         if clean_group:  # kill what it left behind in its process group
             process.signal_group(self.pid, signal.SIGKILL)
         self.order = next(_order)
+        if self.pump is not None:  # what it wrote last is in its log before the tail is read
+            self.pump.drain(self.spec.log_path)
         tail = read_log_tail(self.spec.log_path, since=self.log_start)
         rank, stopped = self.spec.local_rank, self.stopping
         self.future.set_result(
@@ -331,17 +339,42 @@ class _ZygoteClient:
         if not self.alive or self._writer is None:
             raise WorkerSpawnError("the zygote is not running")
         loop, workers, futures = asyncio.get_running_loop(), [], []
-        for spec in specs:
-            rid, worker, fut = next(self._ids), _Worker(spec), loop.create_future()
+        pump, fifos, reads, holds = self.launcher.pump(), [], [], []
+        try:  # every log opens before any worker starts
+            for spec in specs:
+                fifos.append(self.launcher.fifo(next(self._ids)))
+                read = os.open(fifos[-1], os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+                # Held open until the worker has its own: no end of file before it writes.
+                holds.append(os.open(fifos[-1], os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+                pump.add(read, spec.log_path)
+                reads.append(read)
+        except OSError as exc:
+            for hold in holds:
+                os.close(hold)
+            for read in reads:
+                pump.discard(read)
+            for fifo in fifos:
+                with contextlib.suppress(OSError):
+                    os.unlink(fifo)
+            raise WorkerSpawnError(f"cannot open the workers' log: {exc}") from exc
+        for spec, fifo in zip(specs, fifos, strict=True):
+            rid, worker, fut = int(fifo.name), _Worker(spec, pump), loop.create_future()
             self._pending[rid] = (worker, fut)
             workers.append(worker)
             futures.append(fut)
             req = {"op": "spawn", "id": rid, "local_rank": spec.local_rank, "env": spec.env}
-            req["log_path"] = str(spec.log_path.absolute())
+            req["log_path"] = str(fifo)
             self._writer.write(json.dumps(req).encode() + b"\n")
         with contextlib.suppress(OSError):  # if the zygote died, _lost() fails the futures
             await self._writer.drain()
-        results = await asyncio.gather(*futures, return_exceptions=True)
+        try:
+            results = await asyncio.gather(*futures, return_exceptions=True)
+        finally:
+            for fifo in fifos:  # opened by now (or never will be): its name is not needed
+                with contextlib.suppress(OSError):
+                    os.unlink(fifo)
+            for hold in holds:
+                os.close(hold)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await _terminate([w for w in workers if w.pid > 0], 0.0)
@@ -384,6 +417,7 @@ class WorkerLauncher:
         *,
         use_zygote: bool = True,
         start_timeout: float = 120.0,
+        log_limits: LogLimits | None = None,
     ) -> None:
         if not command:
             raise ValueError("the worker command is empty")
@@ -412,6 +446,23 @@ class WorkerLauncher:
         self._closing: asyncio.Future[None] | None = None
         self._swept = True  # no group ran since the last sweep
         self._sweeping = asyncio.Lock()
+        self.log_limits = log_limits or LogLimits()
+        self._pump: LogPump | None = None
+        self._fifos: Path | None = None
+
+    def pump(self) -> LogPump:
+        """The thread that copies the workers' output into their logs (started once)."""
+        if self._pump is None:
+            self._pump = LogPump(self.log_limits)
+        return self._pump
+
+    def fifo(self, name: object) -> Path:
+        """A new FIFO, in the launcher's private directory, for a zygote's worker to write to."""
+        if self._fifos is None:
+            self._fifos = Path(tempfile.mkdtemp(prefix="planaria-output-"))
+        path = self._fifos / str(name)
+        os.mkfifo(path, 0o600)
+        return path
 
     @property
     def warm(self) -> bool:
@@ -520,11 +571,11 @@ class WorkerLauncher:
         if is_python(argv[0]) and not (self.program and any("u" in f for f in self.program.flags)):
             argv.insert(1, "-u")  # unbuffered: the log stays current
         workers: list[_Worker] = []
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
+        pump = self.pump()
         try:
             for spec in specs:
-                worker = _Worker(spec)
-                fd = os.open(spec.log_path, flags, 0o600)
+                worker = _Worker(spec, pump)
+                fd = pump.pipe(spec.log_path)
                 try:  # this forks in the event loop's thread: see the module's docstring
                     proc = await process.spawn(
                         argv, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
@@ -561,6 +612,10 @@ class WorkerLauncher:
         if self._zygote is not None:
             await self._zygote.close()
         await self.sweep()  # the zygote is gone: what it held goes too
+        if self._pump is not None:
+            await asyncio.to_thread(self._pump.close)
+        if self._fifos is not None:
+            shutil.rmtree(self._fifos, ignore_errors=True)
         for result in stops:
             if isinstance(result, BaseException):
                 raise result

@@ -218,6 +218,8 @@ def _job_spec(
         heartbeat_timeout=config.master.heartbeat_timeout,
         master_grace=config.master.grace,
         stop_grace=job.stop_grace,
+        log_max_bytes=int(job.logs.max_bytes),
+        log_keep=job.logs.keep,
         preload=[] if preflight_only else job.preload,
         chaos=config.chaos,
         checkpoint=None if preflight_only else _checkpoint_spec(resolved, run_dir),
