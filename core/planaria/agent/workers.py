@@ -351,6 +351,7 @@ class _ZygoteClient:
         except OSError as exc:
             for hold in holds:
                 os.close(hold)
+            self.launcher.fifos_done()
             for read in reads:
                 pump.discard(read)
             for fifo in fifos:
@@ -375,6 +376,7 @@ class _ZygoteClient:
                     os.unlink(fifo)
             for hold in holds:
                 os.close(hold)
+            self.launcher.fifos_done()
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await _terminate([w for w in workers if w.pid > 0], 0.0)
@@ -463,6 +465,13 @@ class WorkerLauncher:
         path = self._fifos / str(name)
         os.mkfifo(path, 0o600)
         return path
+
+    def fifos_done(self) -> None:
+        """The FIFOs' names are not needed once their workers hold them: the directory goes
+        (only an agent killed mid-spawn leaves one behind)."""
+        if self._fifos is not None:
+            shutil.rmtree(self._fifos, ignore_errors=True)
+            self._fifos = None
 
     @property
     def warm(self) -> bool:
@@ -614,8 +623,7 @@ class WorkerLauncher:
         await self.sweep()  # the zygote is gone: what it held goes too
         if self._pump is not None:
             await asyncio.to_thread(self._pump.close)
-        if self._fifos is not None:
-            shutil.rmtree(self._fifos, ignore_errors=True)
+        self.fifos_done()
         for result in stops:
             if isinstance(result, BaseException):
                 raise result
