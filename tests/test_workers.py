@@ -17,7 +17,9 @@ from typing import Any, TypeVar
 
 import pytest
 
+from planaria import leftovers
 from planaria.agent.program import parse_python_command, same_interpreter
+from planaria.agent.worker_logs import LogLimits
 from planaria.agent.workers import (
     GroupResult,
     WorkerExit,
@@ -268,8 +270,10 @@ def test_env_is_exact(tmp_path: Path, warm: bool) -> None:
             await lau.close()
 
     assert run(main()).succeeded
-    for s in lau_specs:
-        assert json.loads(Path(s.env["OUT"]).read_text()) == s.env
+    for s in lau_specs:  # and the launcher's marker, which finds what the worker leaves
+        got = json.loads(Path(s.env["OUT"]).read_text())
+        assert len(leftovers.markers_in(got)) == len(leftovers.markers_in(s.env)) + 1
+        assert leftovers.unmarked(got, leftovers.markers_in(got)[-1]) == s.env
 
 
 def test_sigterm_ignored_gets_sigkill(tmp_path: Path, warm: bool) -> None:
@@ -338,6 +342,117 @@ def test_grandchildren_die(tmp_path: Path, warm: bool) -> None:
             await lau.close()
 
     run(main())
+
+
+def test_setsid_descendants_die_at_restart_and_at_the_end(tmp_path: Path, warm: bool) -> None:
+    """A worker's helper in a session of its own (``setsid``: out of the worker's process
+    group), and one a forked child of the worker started: neither outlives its round."""
+    prog = write(
+        tmp_path / "helpers.py",
+        """
+        import os, subprocess, sys, time
+        out = os.environ["OUT"] + "-" + os.environ["ROUND"]
+        helper = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        pids = [helper.pid]
+        if os.fork() == 0:  # a forked loader that starts a helper of its own, then detaches
+            os.setsid()
+            subprocess.Popen(["sleep", "61"], start_new_session=True)
+            time.sleep(60)
+            os._exit(0)
+        with open(out + ".tmp", "w") as f:
+            f.write(str(helper.pid))
+        os.rename(out + ".tmp", out)
+        if os.environ["ROUND"] == "2":
+            sys.exit(0)  # the job ends: the worker succeeds, its helpers still run
+        time.sleep(60)
+        """,
+    )
+
+    def sleepers() -> list[int]:
+        return [
+            int(pid)
+            for pid in os.listdir("/proc")
+            if pid.isdigit()
+            and alive(int(pid))
+            and _cmdline(int(pid)) in (b"sleep\x0060\x00", b"sleep\x0061\x00")
+            and _has_env(int(pid), "OUT", str(tmp_path / "helper"))
+        ]
+
+    async def main() -> None:
+        lau = launcher(tmp_path, [PY, str(prog)], warm, stop_grace=0.5)
+        try:
+            for round_ in (1, 2):
+                group_specs = specs(tmp_path, 1, OUT=str(tmp_path / "helper"), ROUND=str(round_))
+                group = await lau.spawn(group_specs)
+                out = tmp_path / f"helper-{round_}"
+                while not out.exists():
+                    await asyncio.sleep(0.01)
+                while len(sleepers()) < 2:  # both helpers of this round run
+                    await asyncio.sleep(0.01)
+                assert len(sleepers()) == 2, sleepers()  # the last round's are gone
+                if round_ == 1:
+                    await group.stop()  # a restart
+                    assert sleepers() == []
+                else:
+                    assert (await group.wait()).succeeded
+        finally:
+            await lau.close()
+        assert sleepers() == []
+
+    run(main())
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _has_env(pid: int, key: str, value: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"{key}={value}".encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def test_a_worker_printing_past_the_cap_keeps_its_newest_output_within_the_cap(
+    tmp_path: Path, warm: bool
+) -> None:
+    prog = write(
+        tmp_path / "loud.py",
+        """
+        import sys
+        for i in range(20000):  # ~2 MB of numbered lines, then the last word
+            print(f"line {i:06d} " + "x" * 90)
+        print("the end", flush=True)
+        sys.exit(3)
+        """,
+    )
+    limits = LogLimits(max_bytes=64 << 10, keep=2)
+
+    async def main() -> GroupResult:
+        lau = launcher(tmp_path, [PY, str(prog)], warm, log_limits=limits)
+        try:
+            return await (await lau.spawn(specs(tmp_path, 1))).wait()
+        finally:
+            await lau.close()
+
+    result = run(main())
+    logs = tmp_path / "logs"
+    files = sorted(p.name for p in logs.iterdir())
+    assert files == ["rank-0.log", "rank-0.log.1", "rank-0.log.2"], files
+    total = sum(p.stat().st_size for p in logs.iterdir())
+    assert total <= limits.max_bytes * (limits.keep + 1), total
+    assert all(p.stat().st_size <= limits.max_bytes for p in logs.iterdir())
+    kept = "".join((logs / name).read_text() for name in reversed(files))
+    printed = "".join(f"line {i:06d} " + "x" * 90 + "\n" for i in range(20000)) + "the end\n"
+    assert len(kept) > limits.max_bytes * limits.keep and printed.endswith(kept)
+    failure = result.first_failure
+    assert failure is not None and failure.exitcode == 3
+    assert failure.log_tail.endswith("the end")  # the tail is read after the pipe is drained
 
 
 # --- the Python program runs as `python script.py` would ------------------------------------

@@ -60,6 +60,9 @@ class JobSpec(Message):
     again (a restarted master takes the job over), before it stops them."""
     stop_grace: float
     preload: list[str]
+    log_max_bytes: int = 100 << 20
+    """Each worker log is rotated past this size, ``log_keep`` rotated files kept."""
+    log_keep: int = 3
     chaos: list[ChaosRule] = Field(default_factory=list)
     checkpoint: CheckpointSpec | None = None
     diagnosis: DiagnosisSpec = Field(default_factory=DiagnosisSpec)

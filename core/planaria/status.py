@@ -27,7 +27,7 @@ from planaria import rundir
 from planaria.errors import PlanariaError
 from planaria.events import JobEvent
 from planaria.master.journal import NAME as JOURNAL_FILE
-from planaria.master.journal import Journal, JournalError, Journalled, damaged
+from planaria.master.journal import Journal, JournalError, Journalled, damaged, ended_mark
 from planaria.master.runner import TOKEN_FILE
 from planaria.master.state import JobState
 from planaria.master.tls import (
@@ -216,7 +216,14 @@ def _ended(run_dir: Path, journalled: Journalled, steps: dict[str, int]) -> JobS
             f"the master journal {run_dir / JOURNAL_FILE} is damaged: part 'job', 'state' is "
             f"{state!r}, not a state this planaria knows"
         ) from None
-    if not known.terminal:
+    mark = ended_mark(run_dir)
+    if not known.terminal and mark is not None:  # the end came, the journal missed it
+        state = mark
+        reason = (
+            f"the job ended ({mark}) but its journal could not record it (a full disk?); "
+            "its summary.json says more, when it could be written"
+        )
+    elif not known.terminal:
         reason = (
             f"its master is gone (the job was {state} when it last wrote its journal): "
             f"resume it with planaria run --resume {run_dir}"

@@ -21,6 +21,7 @@ from planaria.agent.address import ADDR_ENV, free_port
 from planaria.agent.checkpoints import NodeCheckpoints
 from planaria.agent.client import Fenced, MasterClient, MasterUnreachable
 from planaria.agent.preflight import preflight
+from planaria.agent.worker_logs import LogLimits
 from planaria.agent.workers import (
     GroupResult,
     WorkerExit,
@@ -145,7 +146,12 @@ class Agent:
             remove_dir(shm)
             raise
         launcher = WorkerLauncher(
-            spec.command, Path(spec.workdir), base_env, spec.preload, spec.stop_grace
+            spec.command,
+            Path(spec.workdir),
+            base_env,
+            spec.preload,
+            spec.stop_grace,
+            log_limits=LogLimits(spec.log_max_bytes, spec.log_keep),
         )
         warming = asyncio.ensure_future(launcher.start())
         checked = not spec.diagnosis.preflight

@@ -3,7 +3,15 @@
 Every worker runs in its own session (stopping it kills its whole process group, e.g. its
 dataloader processes too), with PR_SET_PDEATHSIG=SIGKILL (it dies with its parent, even when the
 agent is SIGKILLed; set as :mod:`planaria.process` says), stdin from /dev/null and stdout+stderr
-appended to its log file.
+into a pipe that the launcher copies into its log file, capped and rotated
+(:mod:`planaria.agent.worker_logs`). A zygote's worker opens its pipe by name (a FIFO in a
+private directory of the launcher's), as it would open a file.
+
+What leaves the group (a data loader or a helper server that called ``setsid``, a daemon that
+double-forked) is found by the launcher's marker (:mod:`planaria.leftovers`): every worker, and
+the zygote that forks them, carries it in its environment, and so does everything they start.
+Once a group is stopped, and before the next one starts, whatever still carries it (but the
+zygote) is killed: a restart or the job's end leaves no process of the workers behind.
 
 A plain Python command (``python [-u -O -B] script.py ...``, ``-m module``, ``-c code``) run by
 this very interpreter goes through a warm zygote (:mod:`planaria.agent.zygote`): one
@@ -18,20 +26,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from planaria import process
+from planaria import leftovers, process
 from planaria.agent import zygote as _zygote
 from planaria.agent.program import (
     PythonProgram,
@@ -39,6 +50,7 @@ from planaria.agent.program import (
     parse_python_command,
     same_interpreter,
 )
+from planaria.agent.worker_logs import LogLimits, LogPump
 from planaria.capacity import shortfall
 from planaria.errors import PlanariaError
 from planaria.log import get_logger
@@ -129,8 +141,9 @@ def _size(path: Path) -> int:
 
 
 class _Worker:
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, pump: LogPump | None = None) -> None:
         self.spec, self.pid, self.stopping, self.order = spec, 0, False, 0
+        self.pump = pump
         self.log_start = _size(spec.log_path)
         """Where this worker's output begins in its log: the tail of a failure is its own,
         never a traceback of the worker that failed in the previous round."""
@@ -156,6 +169,8 @@ class _Worker:
         if clean_group:  # kill what it left behind in its process group
             process.signal_group(self.pid, signal.SIGKILL)
         self.order = next(_order)
+        if self.pump is not None:  # what it wrote last is in its log before the tail is read
+            self.pump.drain(self.spec.log_path)
         tail = read_log_tail(self.spec.log_path, since=self.log_start)
         rank, stopped = self.spec.local_rank, self.stopping
         self.future.set_result(
@@ -166,10 +181,16 @@ class _Worker:
 class WorkerGroup:
     """The workers of one spawn. ``wait()`` returns at the first failure, stopping the rest."""
 
-    def __init__(self, workers: Sequence[_Worker], stop_grace: float) -> None:
+    def __init__(
+        self,
+        workers: Sequence[_Worker],
+        stop_grace: float,
+        sweep: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self._workers = {w.spec.local_rank: w for w in workers}
         self.pids: dict[int, int] = {w.spec.local_rank: w.pid for w in workers}
         self.stop_grace = stop_grace
+        self._sweep = sweep
         self._wait_task: asyncio.Future[GroupResult] | None = None
         self._stop_task: asyncio.Future[list[WorkerExit]] | None = None
 
@@ -209,6 +230,8 @@ class WorkerGroup:
     async def _stop(self) -> list[WorkerExit]:
         running = [w for w in self._workers.values() if not w.done]
         await _terminate(running, self.stop_grace)
+        if self._sweep is not None:  # what left the workers' sessions goes with them
+            await self._sweep()
         return [w.future.result() for w in sorted(running, key=lambda w: w.order)]
 
     def exits(self) -> list[WorkerExit]:
@@ -316,17 +339,44 @@ class _ZygoteClient:
         if not self.alive or self._writer is None:
             raise WorkerSpawnError("the zygote is not running")
         loop, workers, futures = asyncio.get_running_loop(), [], []
-        for spec in specs:
-            rid, worker, fut = next(self._ids), _Worker(spec), loop.create_future()
+        pump, fifos, reads, holds = self.launcher.pump(), [], [], []
+        try:  # every log opens before any worker starts
+            for spec in specs:
+                fifos.append(self.launcher.fifo(next(self._ids)))
+                read = os.open(fifos[-1], os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+                # Held open until the worker has its own: no end of file before it writes.
+                holds.append(os.open(fifos[-1], os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+                pump.add(read, spec.log_path)
+                reads.append(read)
+        except OSError as exc:
+            for hold in holds:
+                os.close(hold)
+            self.launcher.fifos_done()
+            for read in reads:
+                pump.discard(read)
+            for fifo in fifos:
+                with contextlib.suppress(OSError):
+                    os.unlink(fifo)
+            raise WorkerSpawnError(f"cannot open the workers' log: {exc}") from exc
+        for spec, fifo in zip(specs, fifos, strict=True):
+            rid, worker, fut = int(fifo.name), _Worker(spec, pump), loop.create_future()
             self._pending[rid] = (worker, fut)
             workers.append(worker)
             futures.append(fut)
             req = {"op": "spawn", "id": rid, "local_rank": spec.local_rank, "env": spec.env}
-            req["log_path"] = str(spec.log_path.absolute())
+            req["log_path"] = str(fifo)
             self._writer.write(json.dumps(req).encode() + b"\n")
         with contextlib.suppress(OSError):  # if the zygote died, _lost() fails the futures
             await self._writer.drain()
-        results = await asyncio.gather(*futures, return_exceptions=True)
+        try:
+            results = await asyncio.gather(*futures, return_exceptions=True)
+        finally:
+            for fifo in fifos:  # opened by now (or never will be): its name is not needed
+                with contextlib.suppress(OSError):
+                    os.unlink(fifo)
+            for hold in holds:
+                os.close(hold)
+            self.launcher.fifos_done()
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await _terminate([w for w in workers if w.pid > 0], 0.0)
@@ -369,10 +419,14 @@ class WorkerLauncher:
         *,
         use_zygote: bool = True,
         start_timeout: float = 120.0,
+        log_limits: LogLimits | None = None,
     ) -> None:
         if not command:
             raise ValueError("the worker command is empty")
-        self.command, self.cwd, self.base_env = tuple(command), Path(cwd), dict(base_env)
+        self.marker = leftovers.new_marker()
+        """Carried by the workers, the zygote and all they start: see the module docstring."""
+        self.command, self.cwd = tuple(command), Path(cwd)
+        self.base_env = leftovers.marked(base_env, self.marker)
         self.preload, self.stop_grace, self.start_timeout = (
             tuple(preload),
             stop_grace,
@@ -392,6 +446,32 @@ class WorkerLauncher:
         self._starting: asyncio.Future[None] | None = None
         self._groups: list[WorkerGroup] = []
         self._closing: asyncio.Future[None] | None = None
+        self._swept = True  # no group ran since the last sweep
+        self._sweeping = asyncio.Lock()
+        self.log_limits = log_limits or LogLimits()
+        self._pump: LogPump | None = None
+        self._fifos: Path | None = None
+
+    def pump(self) -> LogPump:
+        """The thread that copies the workers' output into their logs (started once)."""
+        if self._pump is None:
+            self._pump = LogPump(self.log_limits)
+        return self._pump
+
+    def fifo(self, name: object) -> Path:
+        """A new FIFO, in the launcher's private directory, for a zygote's worker to write to."""
+        if self._fifos is None:
+            self._fifos = Path(tempfile.mkdtemp(prefix="planaria-output-"))
+        path = self._fifos / str(name)
+        os.mkfifo(path, 0o600)
+        return path
+
+    def fifos_done(self) -> None:
+        """The FIFOs' names are not needed once their workers hold them: the directory goes
+        (only an agent killed mid-spawn leaves one behind)."""
+        if self._fifos is not None:
+            shutil.rmtree(self._fifos, ignore_errors=True)
+            self._fifos = None
 
     @property
     def warm(self) -> bool:
@@ -461,26 +541,50 @@ class WorkerLauncher:
                 spec.log_path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise WorkerSpawnError(f"cannot create the log directory: {exc}") from exc
+        specs = [dataclasses.replace(s, env=leftovers.marked(s.env, self.marker)) for s in specs]
         if self.cold_reason is None and not self.warm:
             await self.start()
-        if self._zygote is not None and self.warm:
-            workers = await self._zygote.spawn(specs)
-        else:
-            workers = await self._spawn_exec(specs)
-        group = WorkerGroup(workers, self.stop_grace)
+        async with self._sweeping:  # a sweep never runs while workers start
+            if not self._swept and not any(g.running for g in self._groups):
+                await self._sweep_now()
+            self._swept = False
+            if self._zygote is not None and self.warm:
+                workers = await self._zygote.spawn(specs)
+            else:
+                workers = await self._spawn_exec(specs)
+        group = WorkerGroup(workers, self.stop_grace, self.sweep)
         self._groups = [g for g in self._groups if g.running] + [group]
         return group
+
+    async def sweep(self) -> None:
+        """Kill what the workers left running outside their process groups (it carries the
+        launcher's marker), unless a group still runs; what it found is logged."""
+        async with self._sweeping:
+            if not any(g.running for g in self._groups):
+                await self._sweep_now()
+
+    async def _sweep_now(self) -> None:
+        zygote = self.zygote_pid
+        exclude = () if zygote is None else (zygote,)
+        found = await asyncio.to_thread(leftovers.kill_survivors, self.marker, exclude=exclude)
+        self._swept = True
+        if found:
+            log.warning(
+                "killed processes the workers left running",
+                count=len(found),
+                processes=[str(s) for s in found[:20]],
+            )
 
     async def _spawn_exec(self, specs: Sequence[WorkerSpec]) -> list[_Worker]:
         argv = list(self.command)
         if is_python(argv[0]) and not (self.program and any("u" in f for f in self.program.flags)):
             argv.insert(1, "-u")  # unbuffered: the log stays current
         workers: list[_Worker] = []
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
+        pump = self.pump()
         try:
             for spec in specs:
-                worker = _Worker(spec)
-                fd = os.open(spec.log_path, flags, 0o600)
+                worker = _Worker(spec, pump)
+                fd = pump.pipe(spec.log_path)
                 try:  # this forks in the event loop's thread: see the module's docstring
                     proc = await process.spawn(
                         argv, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
@@ -516,6 +620,10 @@ class WorkerLauncher:
         self._groups.clear()
         if self._zygote is not None:
             await self._zygote.close()
+        await self.sweep()  # the zygote is gone: what it held goes too
+        if self._pump is not None:
+            await asyncio.to_thread(self._pump.close)
+        self.fifos_done()
         for result in stops:
             if isinstance(result, BaseException):
                 raise result

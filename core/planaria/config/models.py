@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal, get_args, get_origin
 
 from pydantic import (
     BaseModel,
+    ByteSize,
     ConfigDict,
     Field,
     ValidationInfo,
@@ -163,6 +164,19 @@ def _arg_max() -> int | None:
     return limit if limit > 0 else None
 
 
+class LogsSection(Section):
+    """The cap on each worker's log (``logs/rank-N.log``): past ``max_bytes`` it is rotated to
+    ``rank-N.log.1`` ... ``rank-N.log.<keep>``, the oldest dropped, so a worker's output takes
+    at most ``max_bytes * (keep + 1)`` on disk."""
+
+    max_bytes: ByteSize = Field(
+        default=ByteSize(100 << 20),
+        ge=4096,
+        description="the most one worker log file holds before it is rotated (e.g. 100MiB)",
+    )
+    keep: int = Field(default=3, ge=0, le=1000, description="rotated files kept per worker")
+
+
 class JobSection(Section):
     name: str = Field(default="planaria-job", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
     command: list[str] = Field(
@@ -188,6 +202,7 @@ class JobSection(Section):
     stop_grace: Duration = Field(
         default=5.0, description="SIGTERM, then SIGKILL after this long, when stopping workers"
     )
+    logs: LogsSection = Field(default_factory=LogsSection)
 
     @field_validator("command", mode="before")
     @classmethod

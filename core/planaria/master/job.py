@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sqlite3
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -29,7 +30,7 @@ from planaria.master.checkpoints import Fence, JobCheckpoints
 from planaria.master.diagnosis import Diagnosis
 from planaria.master.fleet import Fleet
 from planaria.master.journal import NAME as JOURNAL_FILE
-from planaria.master.journal import Journal, JournalError, Journalled, damaged
+from planaria.master.journal import Journal, JournalError, Journalled, damaged, mark_ended
 from planaria.master.policy import Decision, FaultType, Source
 from planaria.master.preflight import Preflight
 from planaria.master.recovery import Recovery
@@ -131,6 +132,8 @@ class Master:
         self.fence = Fence(self.spec.checkpoint)
         self._down: float | None = None
         """A resumed master's: how long the job went without one."""
+        self.not_written: dict[str, str] = {}
+        """Files of the run's record that could not be written, and why (a full disk)."""
 
     # -- the journal ------------------------------------------------------------------------
 
@@ -162,10 +165,27 @@ class Master:
         }
 
     def write_journal(self) -> None:
-        """Write what changed since the last write (after each request and tick)."""
+        """Write what changed since the last write (after each request and tick). Once the
+        job has ended a failed write is no error: the end mark holds the end (see
+        :mod:`planaria.master.journal`), and the summary names what was not written."""
         if self.journal is None:
             return
-        self.journal.write(self.snapshot(), self.nodes)
+        ended = self.state.terminal
+        try:
+            self.journal.write(self.snapshot(), self.nodes, last=ended)
+        except (sqlite3.Error, OSError) as exc:
+            if not ended:
+                raise
+            self.could_not_write(JOURNAL_FILE, exc)
+        else:
+            self.not_written.pop(JOURNAL_FILE, None)
+
+    def could_not_write(self, name: str, exc: BaseException) -> None:
+        """Keep (and log, once) that file ``name`` of the run's record could not be written."""
+        why = getattr(exc, "strerror", None) or str(exc)
+        if name not in self.not_written:
+            log.error("cannot write the run's record", file=name, error=why)
+        self.not_written[name] = why
 
     async def journal_written(self) -> None:
         """Return once what changed so far is in the journal. The requests answered in one
@@ -631,6 +651,11 @@ class Master:
         self.state = state
         self.reason = reason
         self.finished_at = time.time()
+        if self.journal is not None:  # first, and whatever the disk: no resume may rerun it
+            try:
+                mark_ended(self.run_dir, state.value)
+            except OSError as exc:
+                self.could_not_write(f"job.ended-{state.value}", exc)
         self.scheduler.interrupt()  # a launch in flight (on the scheduler's thread) stops
         self._round_settled.set()
         for node in self.nodes.values():
@@ -725,7 +750,16 @@ class Master:
             persister_restarts=self.checkpoints.persister_restarts,
             stragglers=list(self.diagnosis.stragglers),
             preflight=self.preflight.report if self.settings.diagnosis.preflight.enabled else None,
+            not_written=self._not_written(),
         )
+
+    def _not_written(self) -> list[str]:
+        lost = dict(self.not_written)
+        if self.timeline.unwritten:
+            lost[self.timeline.path.name] = (
+                f"{self.timeline.unwritten} event(s) not written: {self.timeline.write_error}"
+            )
+        return [f"{name}: {why}" for name, why in sorted(lost.items())]
 
 
 def _ignore(event: JobEvent) -> None:

@@ -12,10 +12,20 @@ master has acted on a decision (answered an agent, asked the scheduler), it is o
 master writes after every request it handled and every tick (:meth:`Journal.write`); only what
 changed is written: nodes tell the journal when a field it keeps changes, the job-wide parts
 are compared with what was written last.
+
+A full disk must not turn a finished job into one that looks alive (and is resumed into a rerun),
+so the end of a job does not depend on free space. The run directory keeps a **reserve**
+(``journal.reserve``, :data:`RESERVE_BYTES` allocated at the start), given up to make room when
+the journal's last write finds the disk full. And the end is also an **end mark**, made by
+renaming an empty file made at the start (``job.running``) to ``job.ended-<state>``: a rename
+needs neither a block nor an inode, so it succeeds on a full disk. A resume refuses a run with
+an end mark, and ``planaria status`` believes the mark over a journal that says running.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import sqlite3
@@ -35,10 +45,93 @@ if TYPE_CHECKING:
 
 NAME = "master.db"
 SCHEMA = 1
+RESERVE = "journal.reserve"
+RESERVE_BYTES = 2 << 20
+"""Room for the journal's last write (a few pages of SQLite, a WAL frame each)."""
+RUNNING_MARK = "job.running"
+ENDED_MARK = "job.ended-"
 
 
 class JournalError(PlanariaError):
     """The run directory has no journal a master can resume from, or it cannot be read."""
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` says the file system has no room (SQLite's SQLITE_FULL, ENOSPC, EDQUOT)."""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    if isinstance(exc, sqlite3.Error):
+        code = getattr(exc, "sqlite_errorcode", None)
+        return code == 13 or "disk is full" in str(exc)  # 13: SQLITE_FULL
+    return False
+
+
+def reserve_room(run_dir: Path, size: int = RESERVE_BYTES) -> bool:
+    """Allocate the run directory's reserve (blocks on disk, not a sparse file), unless it is
+    there; False when there is no room for it."""
+    path = run_dir / RESERVE
+    with contextlib.suppress(OSError):
+        if path.stat().st_size >= size:
+            return True
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return False
+    try:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            os.pwrite(fd, bytes(size), 0)  # a file system without fallocate: write it
+            os.fsync(fd)
+        return True
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return False
+    finally:
+        os.close(fd)
+
+
+def release_room(run_dir: Path) -> bool:
+    """Give the reserve up (its blocks are free at once); whether there was one."""
+    try:
+        os.unlink(run_dir / RESERVE)
+        return True
+    except OSError:
+        return False
+
+
+def mark_running(run_dir: Path) -> None:
+    """The empty file that :func:`mark_ended` renames: made while there is room."""
+    with contextlib.suppress(FileExistsError):
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        os.close(os.open(run_dir / RUNNING_MARK, flags, 0o600))
+
+
+def mark_ended(run_dir: Path, state: str) -> None:
+    """Record that the job ended in ``state``, without needing free space (a rename); made
+    as a new empty file when there is nothing to rename. Raises ``OSError`` if neither works."""
+    target = run_dir / f"{ENDED_MARK}{state}"
+    try:
+        os.rename(run_dir / RUNNING_MARK, target)
+    except FileNotFoundError:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        os.close(os.open(target, flags, 0o600))
+
+
+def ended_mark(run_dir: Path) -> str | None:
+    """The state the job's end mark records; None while it has none (running, or a master
+    died before it ended)."""
+    try:
+        names = os.listdir(run_dir)
+    except OSError:
+        return None
+    for name in sorted(names):
+        if name.startswith(ENDED_MARK) and len(name) > len(ENDED_MARK):
+            return name[len(ENDED_MARK) :]
+    return None
 
 
 @dataclass(frozen=True)
@@ -64,6 +157,8 @@ class Journal:
         path = run_dir / NAME
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         os.close(fd)
+        mark_running(run_dir)
+        reserve_room(run_dir)
         journal = cls(path, _connect(path))
         with journal._db:
             journal._db.executescript(
@@ -117,6 +212,10 @@ class Journal:
         except sqlite3.Error as exc:
             raise JournalError(f"cannot read the master journal {path}: {exc}") from None
 
+    def keep_room(self) -> None:
+        """Have the reserve (again) for a master that takes the job over: best effort."""
+        reserve_room(self.path.parent)
+
     def set_meta(self, key: str, value: Any) -> None:
         with self._db:
             self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, json.dumps(value)))
@@ -124,27 +223,44 @@ class Journal:
     def node_changed(self, node_id: str) -> None:
         self._dirty.add(node_id)
 
-    def write(self, parts: dict[str, Any], nodes: Mapping[str, Node]) -> bool:
+    def write(
+        self, parts: dict[str, Any], nodes: Mapping[str, Node], *, last: bool = False
+    ) -> bool:
         """Write the parts that differ from what was written last, and the nodes that
-        changed; whether anything was written. ``clock``: the time of the last write."""
+        changed; whether anything was written. ``clock``: the time of the last write. A write
+        that fails leaves its changes for the next one. ``last``: the job's final state,
+        for which the reserve is given up when the disk is full."""
         changed = {}
+        same = {}
         for key, value in parts.items():
             if self._same.get(key) is value:  # the very object written last: unchanged
                 continue
             text = json.dumps(value, sort_keys=True)
             if self._written.get(key) != text:
                 changed[key] = text
-            self._same[key] = value
-        dirty = [(n, json.dumps(nodes[n].record())) for n in self._dirty if n in nodes]
-        self._dirty.clear()
+            same[key] = value
+        dirty_ids = {n for n in self._dirty if n in nodes}
+        dirty = [(n, json.dumps(nodes[n].record())) for n in dirty_ids]
         if not changed and not dirty:
+            self._same.update(same)
+            self._dirty.clear()
             return False
         changed["clock"] = json.dumps(time.time())
+        try:
+            self._transaction(changed, dirty)
+        except (sqlite3.Error, OSError) as exc:
+            if not (last and disk_full(exc) and release_room(self.path.parent)):
+                raise
+            self._transaction(changed, dirty)  # in the room the reserve held
+        self._same.update(same)
+        self._dirty -= dirty_ids
+        self._written.update(changed)
+        return True
+
+    def _transaction(self, changed: Mapping[str, str], dirty: list[tuple[str, str]]) -> None:
         with self._db:
             self._db.executemany("INSERT OR REPLACE INTO parts VALUES (?, ?)", changed.items())
             self._db.executemany("INSERT OR REPLACE INTO nodes VALUES (?, ?)", dirty)
-        self._written.update(changed)
-        return True
 
     def handles(self, handles: list[dict[str, Any]]) -> None:
         """The scheduler's handles of new nodes (``node_id`` in each), in one transaction."""

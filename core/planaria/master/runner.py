@@ -15,6 +15,7 @@ import os
 import secrets
 import shutil
 import signal
+import sqlite3
 import ssl
 import sys
 import time
@@ -31,13 +32,22 @@ from planaria.config.machine import machine_issues, workdir_issues
 from planaria.diagnosis.setup import BENCHMARK_PATH, agent_spec, master_policy
 from planaria.errors import ConfigError, ConfigIssue
 from planaria.events import JobEvent
+from planaria.log import get_logger
 from planaria.master import scale
 from planaria.master.job import Master
 from planaria.master.journal import NAME as JOURNAL_FILE
-from planaria.master.journal import Journal, JournalError, Journalled, damaged, existing
+from planaria.master.journal import (
+    Journal,
+    JournalError,
+    Journalled,
+    damaged,
+    ended_mark,
+    existing,
+    release_room,
+)
 from planaria.master.server import ServerLimits, make_app, serve
 from planaria.master.state import JobSettings, JobState
-from planaria.master.timeline import Summary, write_summary
+from planaria.master.timeline import SUMMARY_FILE, Summary, write_summary
 from planaria.master.tls import job_certificate, server_context
 from planaria.master.transport import transport
 from planaria.master.trust import check_private
@@ -47,6 +57,7 @@ from planaria.protocol import FINGERPRINT_ENV, MASTER_ENV, TOKEN_ENV, Checkpoint
 from planaria.scheduler.api import LaunchSpec, Scheduler
 
 TICK = 0.05
+log = get_logger("master")
 
 
 async def supervise(master: Master, launch: LaunchSpec | None) -> Summary:
@@ -58,6 +69,7 @@ async def supervise(master: Master, launch: LaunchSpec | None) -> Summary:
     spec = master.spec
     exit_deadline: float | None = None
     ticked = time.monotonic()
+    failing = ""  # why the journal cannot be written, while it cannot
     while True:
         await asyncio.sleep(TICK)
         now = time.time()
@@ -67,7 +79,13 @@ async def supervise(master: Master, launch: LaunchSpec | None) -> Summary:
         master.fleet.renew_after_stall(ticked - seen)
         if not master.stopping:
             master.tick(now, ticked)
-            master.write_journal()
+            try:
+                master.write_journal()
+                failing = ""
+            except (sqlite3.Error, OSError) as exc:  # a full disk: training goes on
+                if str(exc) != failing:
+                    log.error("cannot write the journal; retrying every tick", error=str(exc))
+                failing = str(exc)
             continue
         if exit_deadline is None:
             exit_deadline = now + spec.stop_grace + spec.heartbeat_interval + 2.0
@@ -208,6 +226,8 @@ def _job_spec(
         heartbeat_timeout=config.master.heartbeat_timeout,
         master_grace=config.master.grace,
         stop_grace=job.stop_grace,
+        log_max_bytes=int(job.logs.max_bytes),
+        log_keep=job.logs.keep,
         preload=[] if preflight_only else job.preload,
         chaos=config.chaos,
         checkpoint=None if preflight_only else _checkpoint_spec(resolved, run_dir),
@@ -351,6 +371,12 @@ async def resume_job(run_dir: Path, hooks: RunHooks | None = None) -> tuple[Summ
     lock = _lock(run_dir)
     journal = None
     try:
+        ended = ended_mark(run_dir)
+        if ended is not None:  # its journal may say running: the disk was full at the end
+            raise JournalError(
+                f"the job of {run_dir} has ended ({ended}, as its end mark job.ended-{ended} "
+                "says): there is nothing to resume"
+            )
         journal, journalled = Journal.open(run_dir)
         with damaged(journal_path, "part 'job'"):
             job = journalled.parts.get("job", {})
@@ -383,6 +409,7 @@ async def resume_job(run_dir: Path, hooks: RunHooks | None = None) -> tuple[Summ
             journal.close()
         os.close(lock)
         raise
+    journal.keep_room()
     master.keep_journal(journal)
     server = journalled.meta.get("server") or {}
     summary = await _run(resolved, master, token, hooks, journalled, lock, port=server.get("port"))
@@ -493,11 +520,17 @@ async def _run(
                 await master.adopt(agents, journalled)
             job = asyncio.ensure_future(supervise(master, None if journalled else agents))
             summary = await hooks.follow(master, job)
-            write_summary(run_dir, summary)
+            try:
+                write_summary(run_dir, summary)
+            except OSError as exc:  # the job's result stands: the caller prints it all the same
+                master.could_not_write(SUMMARY_FILE, exc)
+                summary = master.summary()
             return summary
         finally:
             await server.cleanup()
             master.timeline.close()
             master.journal.close()
+            if master.state.terminal:
+                release_room(run_dir)
     finally:
         os.close(lock)

@@ -6,6 +6,7 @@ that ``planaria report`` shows the very figures ``planaria run`` printed.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -88,6 +89,8 @@ class Summary:
     persister_restarts: int = 0
     stragglers: list[Straggler] = field(default_factory=list)
     preflight: PreflightReport | None = None
+    not_written: list[str] = field(default_factory=list)
+    """Files of the run's record that could not be written (a full disk), and why."""
     """The pre-flight node check, when the job ran one."""
 
     @property
@@ -142,6 +145,8 @@ def summary_rows(summary: Summary) -> list[Row]:
         rows.append(Row("skipped checkpoints", "\n".join(summary.skipped_checkpoints)))
     if summary.started_from_scratch:
         rows.append(Row("started from scratch", summary.started_from_scratch, alarm=True))
+    if summary.not_written:
+        rows.append(Row("not written", "\n".join(summary.not_written), alarm=True))
     return rows
 
 
@@ -294,16 +299,22 @@ def last_steps(path: Path, round_: int, tail: int = TAIL) -> dict[str, int]:
 
 class Timeline:
     """Appends events to ``events.jsonl`` (0600) and hands each to ``observer``, then to those
-    that :meth:`watch` it."""
+    that :meth:`watch` it. An event that cannot be written (a full disk) is still handed on,
+    and counted in :attr:`unwritten`: the job goes on, and its end is still told."""
 
     def __init__(self, path: Path, job: str, observer: Callable[[JobEvent], None]) -> None:
         self.path = path
         self.job = job
         self.observers = [observer]
         self.events: list[JobEvent] = []
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
-        terminate(fd)
-        self._file = os.fdopen(fd, "a", buffering=1, encoding="utf-8")
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        self.unwritten = 0
+        """Events that could not be written; :attr:`write_error` says why."""
+        self.write_error = ""
+        try:
+            terminate(self._fd)
+        except OSError as exc:  # a full disk: the next event's write says so too
+            self.write_error = exc.strerror or str(exc)
 
     def emit(
         self,
@@ -317,7 +328,7 @@ class Timeline:
         """Record an event of ``payload``'s kind; ``message`` says it in words."""
         event = JobEvent.of(payload, job=self.job, message=message, node=node, rank=rank, step=step)
         self.events.append(event)
-        self._file.write(event.model_dump_json() + "\n")
+        self._write((event.model_dump_json() + "\n").encode())
         for observer in self.observers:
             observer(event)
         return event
@@ -326,8 +337,20 @@ class Timeline:
         """Hand every later event to ``observer`` too (the master's metrics)."""
         self.observers.append(observer)
 
+    def _write(self, line: bytes) -> None:
+        try:
+            written = os.write(self._fd, line)  # one append: no buffer holds a failed line
+            if written < len(line):  # the disk filled mid-line: no partial line stays
+                os.ftruncate(self._fd, os.lseek(self._fd, 0, os.SEEK_END) - written)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as exc:
+            self.unwritten += 1
+            self.write_error = exc.strerror or str(exc)
+
     def close(self) -> None:
-        self._file.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def terminate(fd: int) -> None:

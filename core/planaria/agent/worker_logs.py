@@ -1,0 +1,210 @@
+"""Worker output into capped, rotated log files (``logs/rank-N.log``, ``.1`` ... ``.keep``).
+
+A worker writes into a pipe, never into its log file: the file's size is then the agent's to
+bound. One thread per launcher (:class:`LogPump`) reads every worker's pipe and appends to its
+log; a log that would pass ``max_bytes`` is rotated (``rank-N.log`` -> ``rank-N.log.1`` ...,
+the oldest dropped), so a worker's output takes at most ``max_bytes * (keep + 1)`` on disk and
+the newest output is always kept. The thread only copies bytes, so a worker writes at pipe
+speed whatever the agent's event loop is doing; a write the disk refuses (full) is dropped and
+counted, never retried, so that a full disk cannot stop the pipe from draining.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import select
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from planaria.log import get_logger
+
+log = get_logger("agent.logs")
+
+CHUNK = 1 << 16
+PIPE_BYTES = 1 << 20
+"""The pipe's buffer, where the kernel allows it: a burst of output does not wait for the
+thread's next turn."""
+
+
+@dataclass(frozen=True)
+class LogLimits:
+    max_bytes: int = 100 << 20
+    """The most one log file holds before it is rotated."""
+    keep: int = 3
+    """Rotated files kept besides the current one."""
+
+
+class RotatingLog:
+    """One worker's log file: appended to, rotated at ``max_bytes``."""
+
+    def __init__(self, path: Path, limits: LogLimits) -> None:
+        self.path, self.limits = path, limits
+        self.dropped = 0
+        """Bytes the disk refused."""
+        self._fd = -1
+        self._size = 0
+        self._open()  # there from the start, as a redirect's would be; OSError if it cannot
+
+    def _open(self) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+        self._fd = os.open(self.path, flags, 0o600)
+        self._size = os.fstat(self._fd).st_size
+
+    def _rotate(self) -> None:
+        self.close()
+        keep = self.limits.keep
+        name = str(self.path)
+        if keep == 0:
+            with contextlib.suppress(OSError):
+                os.unlink(name)
+            return
+        for n in range(keep - 1, 0, -1):
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(f"{name}.{n}", f"{name}.{n + 1}")
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(name, f"{name}.1")
+
+    def write(self, data: bytes) -> None:
+        limit = self.limits.max_bytes
+        try:
+            if self._fd < 0:
+                self._open()
+            if len(data) > limit:  # only its end fits: the newest output is what counts
+                self.dropped += len(data) - limit
+                data = data[-limit:]
+            if self._size + len(data) > limit:
+                self._rotate()
+                self._open()
+            while data:
+                n = os.write(self._fd, data)
+                self._size += n
+                data = data[n:]
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                log.warning("cannot write a worker's log", path=str(self.path), error=str(exc))
+            self.dropped += len(data)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class LogPump:
+    """Copies the workers' pipes into their logs, on a thread of its own."""
+
+    def __init__(self, limits: LogLimits) -> None:
+        self.limits = limits
+        self._logs: dict[int, RotatingLog] = {}  # read end -> its log
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="planaria-worker-logs", daemon=True)
+        self._thread.start()
+
+    def pipe(self, path: Path) -> int:
+        """A new pipe whose output goes to ``path``; returns its write end (the caller
+        closes it once the worker holds it)."""
+        read, write = os.pipe2(os.O_CLOEXEC)
+        with contextlib.suppress(OSError):  # F_SETPIPE_SZ; a smaller buffer only waits more
+            import fcntl
+
+            fcntl.fcntl(write, 1031, PIPE_BYTES)
+        try:
+            self.add(read, path)
+        except OSError:
+            os.close(write)
+            raise
+        return write
+
+    def add(self, read: int, path: Path) -> None:
+        """Copy what comes out of ``read`` (a pipe's or FIFO's read end, now ours: closed
+        here if the log cannot be opened, with the ``OSError``) to ``path``."""
+        try:
+            rotating = RotatingLog(path, self.limits)
+        except OSError:
+            os.close(read)
+            raise
+        os.set_blocking(read, False)
+        with self._lock:
+            self._logs[read] = rotating
+        os.write(self._wake_w, b"x")
+
+    def discard(self, read: int) -> None:
+        """Stop copying ``read`` (a FIFO no worker opened) and close it."""
+        with self._lock:
+            rotating = self._logs.pop(read, None)
+        if rotating is not None:
+            rotating.close()
+            os.close(read)
+        os.write(self._wake_w, b"x")
+
+    def drain(self, path: Path) -> None:
+        """Copy what the pipes of ``path`` hold now: a worker that exited is all in its log
+        before its tail is read."""
+        with self._lock:
+            for fd, rotating in list(self._logs.items()):
+                if rotating.path == path:
+                    self._copy(fd, rotating)
+
+    def _copy(self, fd: int, rotating: RotatingLog) -> None:
+        """Copy what ``fd`` holds (lock held); at its end, forget it."""
+        while True:
+            try:
+                data = os.read(fd, CHUNK)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:  # every writer is gone
+                self._logs.pop(fd, None)
+                rotating.close()
+                os.close(fd)
+                return
+            rotating.write(data)
+
+    def _run(self) -> None:
+        poller = select.poll()
+        watched: set[int] = set()
+        poller.register(self._wake_r, select.POLLIN)
+        while not self._closed:
+            with self._lock:
+                current = set(self._logs)
+            for fd in watched - current:
+                poller.unregister(fd)
+            for fd in current - watched:
+                poller.register(fd, select.POLLIN)
+            watched = current
+            for fd, _ in poller.poll():
+                if fd == self._wake_r:
+                    with contextlib.suppress(BlockingIOError):
+                        while os.read(self._wake_r, 512):
+                            pass
+                    continue
+                with self._lock:
+                    rotating = self._logs.get(fd)
+                    if rotating is not None:
+                        self._copy(fd, rotating)
+
+    def close(self) -> None:
+        """Copy what is left, then stop; pipes still open are closed (their writers get
+        EPIPE)."""
+        self._closed = True
+        os.write(self._wake_w, b"x")
+        self._thread.join()
+        with self._lock:
+            for fd, rotating in list(self._logs.items()):
+                self._copy(fd, rotating)
+                if fd in self._logs:
+                    self._logs.pop(fd)
+                    rotating.close()
+                    os.close(fd)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def dropped(self) -> int:
+        with self._lock:
+            return sum(r.dropped for r in self._logs.values())
