@@ -173,16 +173,24 @@ def run_torchrun(args: argparse.Namespace, work: Path, workaround: bool) -> Tria
         "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
         *train_args(args, work / "ckpt"),
     ]  # fmt: skip
+    ok, output, note, wall = run_launcher(command, work, env, args.timeout)
+    return measure(output, output, args.kill_at, ok, wall, note)
+
+
+def run_launcher(
+    command: list[str], cwd: Path, env: dict[str, str], timeout: float
+) -> tuple[bool, str, str, float]:
+    """A launcher (torchrun) run through :func:`run_group`: whether it succeeded, its output,
+    what went wrong (its last error line, or a hang) and its wall time."""
     started = time.time()
     try:
-        proc = run_group(command, work, env, args.timeout)
+        proc = run_group(command, cwd, env, timeout)
         ok, output = proc.returncode == 0, proc.stdout + proc.stderr
         note = "" if ok else _last_error(output)
     except subprocess.TimeoutExpired as exc:
         output = _text(exc.stdout) + _text(exc.stderr)
         ok, note = False, "timed out (hang)"
-    wall = time.time() - started
-    return measure(output, output, args.kill_at, ok, wall, note)
+    return ok, output, note, time.time() - started
 
 
 def _text(data: bytes | str | None) -> str:

@@ -41,11 +41,10 @@ from recovery import (
     EXAMPLE,
     RESUMED,
     Trial,
-    _last_error,
-    _text,
     interleave,
     measure,
     run_group,
+    run_launcher,
     summarise,
 )
 
@@ -139,15 +138,7 @@ def run_torchrun(args: argparse.Namespace, work: Path, kill: str) -> Trial:
         "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
         *train_args(args, work, kill == "during"),
     ]  # fmt: skip
-    started = time.time()
-    try:
-        proc = run_group(command, work, env, args.timeout)
-        ok, output = proc.returncode == 0, proc.stdout + proc.stderr
-        note = "" if ok else _last_error(output)
-    except subprocess.TimeoutExpired as exc:
-        output = _text(exc.stdout) + _text(exc.stderr)
-        ok, note = False, "timed out (hang)"
-    wall = time.time() - started
+    ok, output, note, wall = run_launcher(command, work, env, args.timeout)
     return judged(args, output, output, ok, wall, note, kill)
 
 
