@@ -89,7 +89,11 @@ def test_save_wait_load_close_and_prepare_complete_a_pending_copy_first(
     finally:
         ckpt.close()
     if call in ("wait", "close"):  # step 1 went to storage after its copy, not before
-        restored = Checkpointer(tmp_path / "ckpt").load({"w": torch.zeros(64)})
+        reader = Checkpointer(tmp_path / "ckpt")
+        try:
+            restored = reader.load({"w": torch.zeros(64)})
+        finally:
+            reader.close()
         assert restored is not None and restored[0] == 1
 
 

@@ -363,6 +363,8 @@ def test_setsid_descendants_die_at_restart_and_at_the_end(tmp_path: Path, warm: 
             f.write(str(helper.pid))
         os.rename(out + ".tmp", out)
         if os.environ["ROUND"] == "2":
+            while not os.path.exists(os.environ["OUT"] + "-go"):  # the test saw the helpers
+                time.sleep(0.01)
             sys.exit(0)  # the job ends: the worker succeeds, its helpers still run
         time.sleep(60)
         """,
@@ -385,16 +387,17 @@ def test_setsid_descendants_die_at_restart_and_at_the_end(tmp_path: Path, warm: 
                 group_specs = specs(tmp_path, 1, OUT=str(tmp_path / "helper"), ROUND=str(round_))
                 group = await lau.spawn(group_specs)
                 out = tmp_path / f"helper-{round_}"
-                while not out.exists():
-                    await asyncio.sleep(0.01)
-                while len(sleepers()) < 2:  # both helpers of this round run
+                deadline = time.monotonic() + 60
+                while not out.exists() or len(sleepers()) < 2:  # both helpers of this round
+                    assert time.monotonic() < deadline, f"round {round_}: {sleepers()}"
                     await asyncio.sleep(0.01)
                 assert len(sleepers()) == 2, sleepers()  # the last round's are gone
                 if round_ == 1:
                     await group.stop()  # a restart
                     assert sleepers() == []
                 else:
-                    assert (await group.wait()).succeeded
+                    (tmp_path / "helper-go").touch()  # the worker may end now
+                    assert (await asyncio.wait_for(group.wait(), 60)).succeeded
         finally:
             await lau.close()
         assert sleepers() == []
