@@ -275,8 +275,8 @@ def _as_if_its_master_died(run_dir: Path) -> None:
             db.execute("UPDATE parts SET value = ? WHERE key = 'job'", (json.dumps(job),))
     finally:
         db.close()
-    for mark in run_dir.glob("job.ended-*"):  # its end never came: no end mark
-        mark.rename(run_dir / "job.running")
+    for ended in run_dir.glob("job.ended-*"):  # its end never came: no end mark
+        ended.rename(run_dir / "job.running")
 
 
 def _untouched(run_dir: Path) -> dict[str, bytes]:
