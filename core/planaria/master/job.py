@@ -132,6 +132,8 @@ class Master:
         self.fence = Fence(self.spec.checkpoint)
         self._down: float | None = None
         """A resumed master's: how long the job went without one."""
+        self._reattached: set[str] = set()
+        """Nodes that re-attached to this master: a retried re-attach changes nothing."""
         self.not_written: dict[str, str] = {}
         """Files of the run's record that could not be written, and why (a full disk)."""
 
@@ -293,6 +295,9 @@ class Master:
         node.last_seen = time.monotonic()
         node.memory = list(request.memory)
         node.step = max(node.step, request.last_step)
+        if node.node_id in self._reattached:  # a retry (its answer was lost): told already
+            return ReattachReply(state="continue")
+        self._reattached.add(node.node_id)
         info = self.rounds.world.get(node.node_id)
         current = (
             self.rounds.closed
