@@ -83,6 +83,13 @@ def test_steps_lost_after_an_outside_kill_are_those_the_workers_redid(tmp_path, 
     assert f"storage (step {resumed})" in " ".join(output.split())
     recovered = [e for e in events(tmp_path) if e["kind"] == "recovered"]
     assert len(recovered) == 1, output
-    # A step printed was completed by every rank (the printed loss is an all-reduce).
-    assert recovered[0]["data"]["steps_lost"] == last_before - resumed, output
-    assert f"{last_before - resumed}" in output.split("steps lost", 1)[1]
+    # A step printed was completed by every rank (the printed loss is an all-reduce). The
+    # converse holds but for one step: the ranks reach the loss's all-reduce only after their
+    # optimizer step, and a ring all-reduce can return on some ranks while the lost node's
+    # connection fails it on rank 0, so the step after the last one printed may have been done
+    # (and reported by another rank) without rank 0 printing it.
+    lost_steps = recovered[0]["data"]["steps_lost"]
+    assert lost_steps in (last_before - resumed, last_before + 1 - resumed), (
+        f"rank 0 printed step {last_before} last, resumed after step {resumed}", output
+    )
+    assert f"{lost_steps}" in output.split("steps lost", 1)[1]
