@@ -262,6 +262,19 @@ class Probe(Message):
     ok: bool = True
 
 
+class BindRequest(Message):
+    """``POST /v1/bind``: an agent that knows the job's token but not yet the master's
+    certificate asks the master to prove the token over the connection's certificate."""
+
+    nonce: str = Field(pattern=r"^[0-9a-f]{32,128}$")
+
+
+class BindReply(Message):
+    proof: str
+    """HMAC-SHA256 under the job's token of the nonce and the certificate's fingerprint
+    (:func:`planaria.master.binding.proof`), lowercase hex."""
+
+
 class ApiError(Message):
     """Every error the API answers: what is wrong and what to do."""
 

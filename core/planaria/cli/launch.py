@@ -36,11 +36,7 @@ META_LITERAL = "planaria.literal_command"
 """Key in the click context: the command came after ``--`` and is run as written."""
 
 UNSUPPORTED = {
-    "--rdzv-backend": "rounds are formed by planaria's job master, the one rendezvous there is",
-    "--rdzv-endpoint": "agents reach the job master; give its address with --master-addr and "
-    "--master-port",
     "--rdzv-conf": "set the rendezvous section instead, e.g. --set rendezvous.join_grace=5s",
-    "--node-rank": "the job master gives each node its rank (and keeps it across rounds)",
     "--start-method": "workers start from a warm interpreter, or are exec'd",
     "--role": "a job has one role",
     "--run-path": "workers are separate processes, restarted in place",
@@ -259,6 +255,36 @@ MonitorOption = Annotated[
         min=0,
         hidden=True,
         help="accepted for torchrun's lines; the agent watches its workers every 20 ms",
+        show_default=False,
+    ),
+]
+RdzvEndpointOption = Annotated[
+    Optional[str],  # noqa: UP045
+    typer.Option(
+        *_spellings("--rdzv-endpoint"),
+        metavar="HOST:PORT",
+        help="one launcher per node, started by srun, mpirun, ...: the one on HOST (or of "
+        "--node-rank 0) is the job master, listening on PORT; the others join it. Needs "
+        "PLANARIA_TOKEN, the same on every node",
+        show_default=False,
+    ),
+]
+RdzvBackendOption = Annotated[
+    Optional[str],  # noqa: UP045
+    typer.Option(
+        *_spellings("--rdzv-backend"),
+        metavar="c10d|static|planaria",
+        help="accepted for torchrun's lines: planaria's master forms every round",
+        show_default=False,
+    ),
+]
+NodeRankOption = Annotated[
+    Optional[int],  # noqa: UP045
+    typer.Option(
+        *_spellings("--node-rank"),
+        min=0,
+        help="with --rdzv-endpoint: this node's rank (0 is the master's node; the master "
+        "still orders the ranks of each round)",
         show_default=False,
     ),
 ]

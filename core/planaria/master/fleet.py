@@ -17,12 +17,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from planaria import events
+from planaria.errors import SchedulerError
 from planaria.log import get_logger
 from planaria.master.journal import Journal
 from planaria.master.state import Node, NodePhase, RegistrationRefused
 from planaria.master.timeline import Timeline
 from planaria.protocol import Action, NodeStatus, RegisterRequest
-from planaria.scheduler.api import LaunchSpec, NodeEvent, NodeHandle, Scheduler
+from planaria.scheduler.api import AdmitsNodes, LaunchSpec, NodeEvent, NodeHandle, Scheduler
 
 log = get_logger("master")
 
@@ -180,6 +181,8 @@ class Fleet:
         with "ask again": its agent may be faster than the scheduler's answer), and so is a
         second agent for a registered node. Every refusal is in the timeline."""
         node = self.nodes.get(request.node_id)
+        if isinstance(self.scheduler, AdmitsNodes) and (node is None or node.phase.gone):
+            node = self._admit(request)
         if node is None:
             if self.launching or self._replacing:
                 raise RegistrationRefused(
@@ -202,6 +205,16 @@ class Fleet:
         node.last_seen = time.monotonic()
         log.info("node registered", node=request.node_id, host=request.host, pid=request.pid)
         return node
+
+    def _admit(self, request: RegisterRequest) -> Node:
+        """A node started outside planaria registers: the scheduler counts it in (a node
+        that was lost and came back starts afresh) or says why the job has no room."""
+        try:
+            handle = self.scheduler.admit(request.node_id, request.host)  # type: ignore[attr-defined]
+        except SchedulerError as exc:
+            raise self._refuse(request, str(exc)) from None
+        self._handles([handle])
+        return self.add(Node(handle.node_id, handle.host))
 
     def _refuse(self, request: RegisterRequest, why: str) -> RegistrationRefused:
         message = (

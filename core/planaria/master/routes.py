@@ -27,6 +27,8 @@ from planaria.protocol import (
     API_PREFIX,
     Ack,
     Action,
+    BindReply,
+    BindRequest,
     ChaosReport,
     CheckpointEvent,
     Heartbeat,
@@ -53,6 +55,9 @@ class Context:
     join_hold: float
     """The longest a rendezvous join waits for its round to close before answering ``wait``."""
     metrics: JobMetrics
+    binding: Callable[[str], str] | None = None
+    """The proof of the job's token over ``nonce`` and the served certificate
+    (:mod:`planaria.master.binding`); None when the API is not served over TLS."""
 
 
 JSON = "application/json"
@@ -99,6 +104,16 @@ def _heartbeat(c: Context, beat: Heartbeat) -> HeartbeatReply | Held[HeartbeatRe
     if isinstance(action, Held):
         return action.map(_beat_reply)
     return _beat_reply(action)
+
+
+def _bind(c: Context, body: BindRequest) -> BindReply:
+    if c.binding is None:
+        raise UnknownRoute("this master serves plain HTTP: there is no certificate to bind")
+    return BindReply(proof=c.binding(body.nonce))
+
+
+class UnknownRoute(LookupError):
+    """A route this master does not serve as configured (404)."""
 
 
 def _beat_reply(action: Action) -> HeartbeatReply:
@@ -246,6 +261,18 @@ ROUTES: tuple[Route, ...] = (
         lambda c, _: c.metrics.exposition(),
         public_with="master.metrics_public",
         media_type=MEDIA_TYPE,
+    ),
+    Route(
+        "POST",
+        f"{API_PREFIX}/bind",
+        BindRequest,
+        BindReply,
+        "An agent that holds the job's token learns the master's certificate: the master "
+        "proves the token over the agent's nonce and the certificate the connection shows "
+        "(an HMAC), before the agent sends anything of the job's; no token needed",
+        _bind,
+        errors=(404,),
+        public=True,
     ),
     Route(
         "GET",

@@ -34,6 +34,7 @@ from planaria.errors import ConfigError, ConfigIssue
 from planaria.events import JobEvent
 from planaria.log import get_logger
 from planaria.master import scale
+from planaria.master.binding import prover
 from planaria.master.job import Master
 from planaria.master.journal import NAME as JOURNAL_FILE
 from planaria.master.journal import (
@@ -335,11 +336,14 @@ async def run_job(
     *,
     preflight_only: bool = False,
     hooks: RunHooks | None = None,
+    token: str | None = None,
 ) -> tuple[Summary, Path]:
     """Run the job to its end: (its summary, its run directory). ``preflight_only``: only
-    the pre-flight node check (no worker starts). SIGINT and SIGTERM stop the job."""
+    the pre-flight node check (no worker starts). SIGINT and SIGTERM stop the job. ``token``:
+    the job's token when the nodes' launchers share one (nodes started outside); otherwise
+    the job makes its own."""
     run_id, run_dir = _run_dir(resolved)
-    token = secrets.token_urlsafe(32)
+    token = token or secrets.token_urlsafe(32)
     _write_token(run_dir, token)
     lock = _lock(run_dir)
     try:
@@ -477,6 +481,9 @@ async def _run(
             max_request_bytes=config.master.max_request_bytes,
         )
         scale.prepare(master.settings.max_nodes)
+        wire = transport(config.master.host, config.master.tls)
+        tls, pin = _tls(resolved, wire.tls, master, run_dir)  # the same again on a resume
+        fingerprint = pin.get(FINGERPRINT_ENV)
         app_ = make_app(
             master,
             token,
@@ -484,9 +491,8 @@ async def _run(
             limits=limits,
             join_hold=join_hold(config.master.heartbeat_timeout),
             public_with=["master.metrics_public"] if config.master.metrics_public else [],
+            binding=None if fingerprint is None else prover(token, fingerprint),
         )
-        wire = transport(config.master.host, config.master.tls)
-        tls, pin = _tls(resolved, wire.tls, master, run_dir)  # the same again on a resume
         server, port = await _serve(resolved, app_, master, run_dir, port, tls)
         assert master.journal is not None
         advertise = config.master.advertise or config.master.host

@@ -30,7 +30,7 @@ from planaria.log import get_logger
 from planaria.master import wire
 from planaria.master.job import Master
 from planaria.master.metrics import JobMetrics
-from planaria.master.routes import JSON, ROUTES, Context, Route
+from planaria.master.routes import JSON, ROUTES, Context, Route, UnknownRoute
 from planaria.master.state import (
     BadReport,
     Conflict,
@@ -560,6 +560,8 @@ def _refusal(exc: Exception, method: str, path: str) -> web.Response:
         return _error(410, str(exc))
     if isinstance(exc, NotAttached):
         return _error(409, f"node {exc.args[0]!r}: re-attach first (a new master)")
+    if isinstance(exc, UnknownRoute):
+        return _error(404, str(exc))
     if isinstance(exc, UnknownNode):
         return _error(404, f"unknown node {exc.args[0]!r}: register first")
     if isinstance(exc, BadReport):
@@ -588,11 +590,13 @@ def make_app(
     join_hold: float = 5.0,
     routes: Sequence[Route] = ROUTES,
     public_with: Collection[str] = (),
+    binding: Callable[[str], str] | None = None,
 ) -> web.Application:
     """The API of ``master``, one handler per row of ``routes``. ``hold``: the longest a
     heartbeat or pre-flight long poll holds a request; ``join_hold``: a rendezvous join;
     ``public_with``: the config options set to true that serve routes without the token
-    (:attr:`Route.public_with`)."""
+    (:attr:`Route.public_with`); ``binding``: the proof ``POST /v1/bind`` answers
+    (:func:`planaria.master.binding.prover`), None without TLS."""
     expected = f"Bearer {token}".encode()
     public = {
         (r.method, r.path)
@@ -644,7 +648,13 @@ def make_app(
     app = web.Application(middlewares=[timed, guard], client_max_size=limits.max_request_bytes)
     app[LIMITS] = limits
     app[BOOK] = _Connections(limits)
-    context = Context(master=master, hold=hold, join_hold=join_hold, metrics=JobMetrics(master))
+    context = Context(
+        master=master,
+        hold=hold,
+        join_hold=join_hold,
+        metrics=JobMetrics(master),
+        binding=binding,
+    )
     for route in routes:
         app.router.add_route(route.method, route.path, _handler(route, context))
     hot = [r for r in routes if r.hot and r.request is not None and r.media_type == JSON]

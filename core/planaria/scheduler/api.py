@@ -199,6 +199,18 @@ class Scheduler(ABC, Generic[OptionsT]):
         return set()
 
 
+class AdmitsNodes(ABC):
+    """A scheduler capability: nodes that register although the master never launched them
+    (started outside planaria, the way torchrun's are) are counted in, by
+    :meth:`admit`. Called from the master's loop, not the scheduler's thread: it must not
+    block, and must be safe beside the scheduler's other methods."""
+
+    @abstractmethod
+    def admit(self, node_id: str, host: str) -> NodeHandle:
+        """Count the node ``node_id`` on ``host`` in, or raise
+        :class:`~planaria.errors.SchedulerError` saying why not (the job is full)."""
+
+
 class SchedulerRecord(PluginRecord):
     kind: ClassVar[PluginKind] = PluginKind.SCHEDULER
     well_known: ClassVar[dict[str, str]] = {
