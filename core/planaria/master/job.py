@@ -395,8 +395,11 @@ class Master:
 
     def fence_out(self, node: Node) -> None:
         """``node`` is declared lost: no round it ran in may commit a checkpoint any more.
-        The round that goes on without it is the one forming, or the next one."""
-        generation = self.rounds.round + 1 if self.rounds.closed else self.rounds.round
+        The round that goes on without it is the one forming, or the next one; a node lost
+        while standing by, out of the running world, ran in none of the running round's:
+        that round may go on committing."""
+        running_in = self.rounds.closed and node.node_id in self.rounds.world
+        generation = self.rounds.round + 1 if running_in else self.rounds.round
         self.fence.raise_to(generation, node.node_id)
 
     def stop(self, reason: str, cause: StopCause = StopCause.INTERRUPTED) -> None:
