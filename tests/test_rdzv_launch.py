@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -112,9 +111,10 @@ def test_two_launchers_train_through_a_worker_kill_bitwise_as_without(tmp_path, 
     assert codes == [0, 0], output
     head_out = (faulty / "head.out").read_text()
     assert f"master at https://{net.address('head')}:{PORT}" in head_out
-    assert f"joining the job master at https://{net.address('head')}:{PORT}" in (
-        faulty / "other.out"
-    ).read_text()
+    assert (
+        f"joining the job master at https://{net.address('head')}:{PORT}"
+        in (faulty / "other.out").read_text()
+    )
     timeline = _events(faulty)
     nodes = {e["node"] for e in timeline if e.get("node")}
     assert {f"node-{net.address('head')}", f"node-{net.address('other')}"} <= nodes, nodes

@@ -48,6 +48,16 @@ def parse(*args: str) -> dict[str, Any]:
             {"nproc_per_node": "2", "max_restarts": 0, "rdzv_id": "exp-1", "command": ["t.py"]},
         ),
         (("--run-id", "exp.2", "t.py"), {"rdzv_id": "exp.2", "command": ["t.py"]}),
+        # one launcher per node
+        (
+            ("--rdzv_backend=c10d", "--rdzv-endpoint", "head:29400", "--node_rank=1", "t.py"),
+            {
+                "rdzv_backend": "c10d",
+                "rdzv_endpoint": "head:29400",
+                "node_rank": 1,
+                "command": ["t.py"],
+            },
+        ),
         # after the script, every word is the script's, ours or not
         (
             ("--nnodes", "2", "t.py", "--lr", "0.1", "-c", "x.yaml", "--nnodes", "9", "--", "-m"),
@@ -125,9 +135,8 @@ def test_line_is_cut_before_the_script_and_read_as_torchrun_does(args, expected)
         (("--rdzv-id", "a b", "t.py"), ["--rdzv-id", "is no job name"]),
         (("--nnodes",), ["--nnodes", "requires an argument"]),
         (("--lr", "0.1", "t.py"), ["No such option", "--lr"]),
-        (("--rdzv-backend", "c10d", "t.py"), ["--rdzv-backend", "one rendezvous"]),
-        (("--rdzv_endpoint=h:1", "t.py"), ["--rdzv_endpoint", "--master-addr"]),
-        (("--node-rank", "0", "t.py"), ["--node-rank", "rank"]),
+        (("--rdzv-conf", "x=1", "t.py"), ["--rdzv-conf", "rendezvous section"]),
+        (("--node-rank", "-1", "t.py"), ["--node-rank"]),
         (("-r", "3", "t.py"), ["'-r'", "logs/"]),
     ],
 )
@@ -224,7 +233,10 @@ def test_nproc_auto_without_a_gpu_is_the_cpus_and_gpu_is_refused():
 
 def test_bad_lines_exit_2_naming_the_flag(cli):
     for args, says in [
-        (("--rdzv-backend", "c10d", "t.py"), "--rdzv-backend"),
+        (("--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1", "t.py"), "--rdzv-backend 'etcd'"),
+        (("--rdzv-endpoint", "h:1", "--master-port", "2", "t.py"), "--master-port"),
+        (("--rdzv-endpoint", "h:99999", "t.py"), "port 99999"),
+        (("--node-rank", "1", "t.py"), "--node-rank needs --rdzv-endpoint"),
         (("--nnodes", "3:2", "t.py"), "--nnodes"),
         (("--nnodes", "2"), "training script"),
         (("-m", "--no-python", "t.py"), "not both"),

@@ -329,6 +329,9 @@ def run_command(
         raise SystemExit(EXIT_USAGE) from None
     if monitor_interval is not None:
         warning("--monitor-interval is ignored: the agent watches its workers every 20 ms")
+    if node_rank is not None and rdzv_endpoint is None:
+        error("--node-rank needs --rdzv-endpoint: without it, every node runs here")
+        raise SystemExit(EXIT_USAGE)
     if rdzv_endpoint is not None:
         if resume is not None or master_addr is not None or master_port is not None:
             error(
