@@ -209,8 +209,10 @@ class Fleet:
     def _admit(self, request: RegisterRequest) -> Node:
         """A node started outside planaria registers: the scheduler counts it in (a node
         that was lost and came back starts afresh) or says why the job has no room."""
+        scheduler = self.scheduler
+        assert isinstance(scheduler, AdmitsNodes)
         try:
-            handle = self.scheduler.admit(request.node_id, request.host)  # type: ignore[attr-defined]
+            handle = scheduler.admit(request.node_id, request.host)
         except SchedulerError as exc:
             raise self._refuse(request, str(exc)) from None
         self._handles([handle])
