@@ -160,27 +160,41 @@ def test_a_launcher_without_a_token_says_how_to_set_one(tmp_path, mark):
     )
 
 
-def test_the_job_shrinks_when_a_node_s_launcher_is_killed(tmp_path, mark, network):
+def test_the_job_shrinks_when_a_node_s_launcher_is_killed_and_grows_when_it_is_back(
+    tmp_path, mark, network
+):
     net = network("head", "other")
-    script = ["--steps", "600", "--ckpt-every", "20"]
+    script = ["--steps", "1500", "--ckpt-every", "20"]
+    endpoint = f"{net.address('head')}:{PORT}"
     head, other = _two_launchers(net, tmp_path, mark, "1:2", script)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        runs = list(tmp_path.glob("planaria-runs/*/events.jsonl"))
-        if runs and '"checkpoint_committed"' in runs[0].read_text():
-            break
-        assert head.poll() is None and other.poll() is None, _output(tmp_path, "head", "other")
-        time.sleep(0.5)
-    else:
-        pytest.fail("no checkpoint within 180 s:\n" + _output(tmp_path, "head", "other"))
+    _until(tmp_path, [head, other], '"checkpoint_committed"')
     os.killpg(other.pid, signal.SIGKILL)  # the node is gone: its launcher, agent, workers
     other.wait()
-    assert _wait([head], timeout=300) == [0], _output(tmp_path, "head")
+    _until(tmp_path, [head], "world size 2;")
+    # srun --requeue: the same launcher again, the same line; it takes its old slot.
+    (tmp_path / "other.out").rename(tmp_path / "other-1.out")
+    again = _launcher(net, "other", tmp_path, mark, _line(endpoint, "1:2", *script))
+    assert _wait([head, again], timeout=400) == [0, 0], _output(tmp_path, "head", "other")
     timeline = _events(tmp_path)
     lost = [e for e in timeline if e["kind"] == "fault_detected" and "lost" in e["message"]]
-    assert lost, [e["message"] for e in timeline]
-    rounds = [e for e in timeline if e["kind"] == "rendezvous_completed"]
-    assert "world size 4" in rounds[0]["message"]
-    assert "world size 2" in rounds[-1]["message"], [e["message"] for e in rounds]
+    assert [e["node"] for e in lost] == [f"node-{net.address('other')}"], lost
+    sizes = [
+        int(e["message"].split("world size ")[1].split(";")[0])
+        for e in timeline
+        if e["kind"] == "rendezvous_completed"
+    ]
+    assert sizes[0] == 4 and 2 in sizes and sizes[-1] == 4, sizes
     (finished,) = [e for e in timeline if e["kind"] == "job_finished"]
     assert finished["data"]["state"] == "succeeded"
+
+
+def _until(workdir: Path, procs: list[subprocess.Popen[str]], text: str, timeout=180) -> None:
+    """Wait until the job's timeline holds ``text``, while ``procs`` run."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        runs = list(workdir.glob("planaria-runs/*/events.jsonl"))
+        if runs and text in runs[0].read_text():
+            return
+        assert all(p.poll() is None for p in procs), _output(workdir, "head", "other")
+        time.sleep(0.5)
+    pytest.fail(f"no {text} in the timeline within {timeout} s:\n" + _output(workdir, "head"))
