@@ -138,6 +138,17 @@ def test_nodes_started_outside_are_admitted_up_to_the_job_s_size(master_dir):
                 await client.call("/register", third, RegisterReply)
         finally:
             await client.close()
+        # The same node started again while its earlier agent counts: it asks again later.
+        again = RegisterRequest(node_id="node-1", host="h1", addr="127.0.0.1", pid=99)
+        async with (
+            aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as session,
+            session.post(
+                f"{url}{API_PREFIX}/register", data=again.model_dump_json(), ssl=pinning_context()
+            ) as reply,
+        ):
+            answer = await reply.json()
+            assert reply.status == 503 and answer["retry"], answer
+            assert "once that one is declared lost" in answer["error"]
         # Without the token, the agent cannot register, whatever it learnt.
         async with (
             aiohttp.ClientSession() as session,

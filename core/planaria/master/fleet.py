@@ -61,6 +61,8 @@ class Fleet:
         """Nodes silent while no node was heard: lost only past the grace."""
         self._by_phase: Counter[NodePhase] = Counter()
         self._scanned = -float("inf")
+        self._waiting: set[str] = set()
+        """Nodes started outside whose new agent waits for the earlier one to be lost."""
 
     def add(self, node: Node) -> Node:
         """Count ``node`` in; the journal hears of its changes from now on."""
@@ -179,7 +181,10 @@ class Fleet:
         """Accept an agent for a node this job launched, once. The token alone does not make
         a node: an id the scheduler never reported is refused (while a launch is in flight,
         with "ask again": its agent may be faster than the scheduler's answer), and so is a
-        second agent for a registered node. Every refusal is in the timeline."""
+        second agent for a registered node. Every refusal is in the timeline. With a scheduler
+        that admits nodes started outside, an unknown id is counted in, and a second agent for
+        a registered node asks again until the first is declared lost (the same node started
+        again)."""
         node = self.nodes.get(request.node_id)
         if isinstance(self.scheduler, AdmitsNodes) and (node is None or node.phase.gone):
             node = self._admit(request)
@@ -195,10 +200,29 @@ class Fleet:
             if (node.pid, node.host, node.addr) == (request.pid, request.host, request.addr):
                 node.last_seen = time.monotonic()  # the same agent asking again: its reply
                 return node  # was lost on the way
+            if isinstance(self.scheduler, AdmitsNodes):
+                # A node started outside, started again (srun --requeue) before its old agent
+                # was found silent: it takes the node's place once that one is declared lost.
+                if request.node_id not in self._waiting:
+                    self._waiting.add(request.node_id)
+                    log.warning(
+                        "a node registers again while its earlier agent is still counted in: "
+                        "it waits until that one is declared lost",
+                        node=request.node_id,
+                        pid=request.pid,
+                        earlier_pid=node.pid,
+                    )
+                raise RegistrationRefused(
+                    f"node {request.node_id!r} is registered already (agent pid {node.pid} on "
+                    f"{node.host}); ask again: this agent takes its place once that one is "
+                    "declared lost",
+                    retry=True,
+                )
             raise self._refuse(
                 request,
                 f"the node is registered already (agent pid {node.pid} on {node.host})",
             )
+        self._waiting.discard(request.node_id)
         node.addr = request.addr
         node.pid = request.pid
         node.phase = NodePhase.REGISTERED
