@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -167,10 +168,16 @@ def test_the_job_shrinks_when_a_node_s_launcher_is_killed_and_grows_when_it_is_b
     script = ["--steps", "1500", "--ckpt-every", "20"]
     endpoint = f"{net.address('head')}:{PORT}"
     head, other = _two_launchers(net, tmp_path, mark, "1:2", script)
-    _until(tmp_path, [head, other], '"checkpoint_committed"')
+    _until(tmp_path, [head, other], lambda e: e["kind"] == "checkpoint_committed", "a checkpoint")
+    killed_at = time.time()
     os.killpg(other.pid, signal.SIGKILL)  # the node is gone: its launcher, agent, workers
     other.wait()
-    _until(tmp_path, [head], "world size 2;")
+    _until(
+        tmp_path,
+        [head],
+        lambda e: e["time"] >= killed_at and "world size 2;" in e["message"],
+        "a round without the node",
+    )
     # srun --requeue: the same launcher again, the same line; it takes its old slot.
     (tmp_path / "other.out").rename(tmp_path / "other-1.out")
     again = _launcher(net, "other", tmp_path, mark, _line(endpoint, "1:2", *script))
@@ -179,7 +186,7 @@ def test_the_job_shrinks_when_a_node_s_launcher_is_killed_and_grows_when_it_is_b
     lost = [e for e in timeline if e["kind"] == "fault_detected" and "lost" in e["message"]]
     assert [e["node"] for e in lost] == [f"node-{net.address('other')}"], lost
     # After the loss: a round without the node (shrunk), then one with it again (grown).
-    after = timeline[timeline.index(lost[0]) :]
+    after = [e for e in timeline if e["time"] >= killed_at]
     sizes = [
         int(e["message"].split("world size ")[1].split(";")[0])
         for e in after
@@ -190,13 +197,21 @@ def test_the_job_shrinks_when_a_node_s_launcher_is_killed_and_grows_when_it_is_b
     assert finished["data"]["state"] == "succeeded"
 
 
-def _until(workdir: Path, procs: list[subprocess.Popen[str]], text: str, timeout=180) -> None:
-    """Wait until the job's timeline holds ``text``, while ``procs`` run."""
+def _until(
+    workdir: Path,
+    procs: list[subprocess.Popen[str]],
+    seen: Callable[[dict], bool],
+    what: str,
+    timeout: float = 180,
+) -> None:
+    """Wait until an event of the job's timeline is ``seen``, while ``procs`` run."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         runs = list(workdir.glob("planaria-runs/*/events.jsonl"))
-        if runs and text in runs[0].read_text():
-            return
+        if runs:
+            lines = runs[0].read_text().splitlines()
+            if any(seen(json.loads(line)) for line in lines if line.endswith("}")):
+                return
         assert all(p.poll() is None for p in procs), _output(workdir, "head", "other")
         time.sleep(0.5)
-    pytest.fail(f"no {text} in the timeline within {timeout} s:\n" + _output(workdir, "head"))
+    pytest.fail(f"no {what} within {timeout} s:\n" + _output(workdir, "head"))
