@@ -237,6 +237,7 @@ def test_bad_lines_exit_2_naming_the_flag(cli):
         (("--rdzv-endpoint", "h:1", "--master-port", "2", "t.py"), "--master-port"),
         (("--rdzv-endpoint", "h:99999", "t.py"), "port 99999"),
         (("--node-rank", "1", "t.py"), "--node-rank needs --rdzv-endpoint"),
+        (("--set", "scheduler.backend=external", "t.py"), "--rdzv-endpoint HOST:PORT"),
         (("--nnodes", "3:2", "t.py"), "--nnodes"),
         (("--nnodes", "2"), "training script"),
         (("-m", "--no-python", "t.py"), "not both"),

@@ -88,7 +88,6 @@ def _prepare(
     chaos: list[str],
     command: list[str],
     flags: TorchrunFlags | None = None,
-    external: bool = False,
 ) -> tuple[ResolvedConfig, PluginManager]:
     raw = read(file, overrides)
     if flags is not None:
@@ -100,7 +99,7 @@ def _prepare(
         if isinstance(job, dict):
             job["command"] = command
     configure_logging(raw)
-    resolved, manager = load_raw(raw, external_plugins(raw) if external else None)
+    resolved, manager = load_raw(raw, external_plugins(raw))
     issues = run_issues(resolved)
     if issues:
         raise ConfigError(issues, raw.source)
@@ -354,7 +353,7 @@ def run_command(
         raw_set = [*(set_ or []), *_endpoint_settings(endpoint, here, rank, is_master)]
         if not is_master:
             raise SystemExit(_join(endpoint, token, rank, file, raw_set))
-        resolved, manager = _prepare(file, raw_set, chaos or [], command, flags, external=True)
+        resolved, manager = _prepare(file, raw_set, chaos or [], command, flags)
         summary, run_dir = asyncio.run(run_job(resolved, manager, hooks=hooks, token=token))
     elif resume is not None:
         if file is not None or command or set_ or chaos or flags.given():
@@ -373,6 +372,13 @@ def run_command(
         raise SystemExit(EXIT_USAGE)
     else:
         resolved, manager = _prepare(file, set_ or [], chaos or [], command, flags)
+        if resolved.config.scheduler.backend == "external":
+            error(
+                "scheduler 'external' runs nodes started outside planaria, each by `planaria "
+                "run --rdzv-endpoint HOST:PORT ...` with the same PLANARIA_TOKEN: start the job "
+                "that way on every node"
+            )
+            raise SystemExit(EXIT_USAGE)
         summary, run_dir = asyncio.run(run_job(resolved, manager, hooks=hooks))
     print_summary(summary, run_dir)
     _write_report(run_dir)
