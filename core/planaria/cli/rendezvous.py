@@ -20,6 +20,7 @@ environment on). Without it nothing starts: an unauthenticated job is never run 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import ipaddress
@@ -27,8 +28,14 @@ import os
 import re
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
+from planaria import log
+from planaria.cli.app import EXIT_USAGE, configure_logging
+from planaria.cli.output import error, out
+from planaria.config import RawConfig, load_raw, read
 from planaria.errors import PlanariaError
+from planaria.plugin.manager import PluginManager
 from planaria.protocol import TOKEN_ENV
 
 DEFAULT_PORT = 29400
@@ -129,3 +136,106 @@ def shared_token() -> str:
     if len(token) < 16:
         raise LauncherError(f"{TOKEN_ENV} is too short ({len(token)} characters, at least 16)")
     return token
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """What this launcher is, from its line and its machine."""
+
+    endpoint: Endpoint
+    token: str
+    rank: int | None
+    here: str | None
+    """The address of this machine that the endpoint names, if any."""
+    is_master: bool
+
+    @classmethod
+    def from_line(
+        cls,
+        endpoint: str | None,
+        backend: str | None,
+        node_rank: int | None,
+        other: tuple[object, ...] = (),
+    ) -> Launcher:
+        """``other``: ``--resume``, ``--master-addr``, ``--master-port``, which the endpoint
+        excludes. Raises :class:`LauncherError` for a line that cannot run."""
+        if endpoint is None:
+            raise LauncherError(
+                "--node-rank needs --rdzv-endpoint: without it, every node runs here"
+            )
+        if any(value is not None for value in other):
+            raise LauncherError(
+                "--rdzv-endpoint names the master's address and port: give no --master-addr, "
+                "--master-port or --resume with it"
+            )
+        if backend is not None and backend not in BACKENDS:
+            raise LauncherError(
+                f"--rdzv-backend {backend!r}: expected one of {', '.join(BACKENDS)}"
+            )
+        where = parse_endpoint(endpoint)
+        token = shared_token()
+        here = local_address(where.host)
+        is_master = node_rank == 0 if node_rank is not None else here is not None
+        return cls(where, token, node_rank_of(node_rank), here, is_master)
+
+    def settings(self) -> list[str]:
+        """The job's fields the line sets (``--set`` overrides): the master on the endpoint
+        (over TLS, which the agents' channel binding needs, on loopback too), nodes started
+        outside, this node's agent started by the master's launcher."""
+        if not self.is_master:
+            return ["scheduler.backend=external"]
+        address = self.here or "0.0.0.0"
+        return [
+            f"master.host={address}",
+            f"master.port={self.endpoint.port}",
+            f"master.advertise={self.endpoint.host}",
+            "master.tls=true",
+            "scheduler.backend=external",
+            f"scheduler.options.here={node_id(self.rank, self.here or self.endpoint.host)}",
+            f"scheduler.options.host={os.uname().nodename}",
+        ]
+
+
+def join(launcher: Launcher, file: Path | None, overrides: list[str]) -> int:
+    """This launcher is a node's: learn the master's certificate, then run the node's agent
+    in this process. The training command is the master's (every launcher is given the same
+    line)."""
+    endpoint, token, rank = launcher.endpoint, launcher.token, launcher.rank
+    from planaria.agent.address import node_address
+    from planaria.agent.main import main as agent_main
+    from planaria.master.binding import BindingRefused, wait_for_master
+
+    raw = read(file, overrides)
+    configure_logging(raw)
+    resolved, _ = load_raw(raw, external_plugins(raw))
+    timeout = resolved.config.rendezvous.join_timeout
+    out.print(f"planaria: joining the job master at {endpoint.url}", highlight=False)
+
+    def waiting(why: str) -> None:
+        out.print(
+            f"planaria: no master at {endpoint.url} yet ({why}); trying for {timeout:g}s",
+            highlight=False,
+        )
+
+    try:
+        fingerprint = wait_for_master(endpoint.host, endpoint.port, token, timeout, waiting)
+    except BindingRefused as exc:
+        error(str(exc))
+        return EXIT_USAGE
+    address = node_address(endpoint.host)
+    me = node_id(rank, address)
+    log.bind(component="agent")
+    host = os.uname().nodename
+    return asyncio.run(agent_main(endpoint.url, token, me, host, fingerprint))
+
+
+def external_plugins(raw: RawConfig) -> PluginManager:
+    """The installed plugins, and the built-in ``external`` scheduler even where the
+    installed metadata predates it."""
+    from planaria.config.loader import disabled_plugins
+    from planaria.scheduler import external
+
+    manager = PluginManager.from_entry_points(disable=disabled_plugins(raw))
+    if "external" not in manager.plugins:
+        manager.register(external, "external")
+    return manager

@@ -40,17 +40,8 @@ from planaria.cli.launch import (
     training_command,
 )
 from planaria.cli.output import error, out, warning
-from planaria.cli.rendezvous import (
-    BACKENDS,
-    Endpoint,
-    LauncherError,
-    local_address,
-    node_id,
-    node_rank_of,
-    parse_endpoint,
-    shared_token,
-)
-from planaria.config import RawConfig, ResolvedConfig, load_raw, read
+from planaria.cli.rendezvous import Launcher, LauncherError, external_plugins, join
+from planaria.config import ResolvedConfig, load_raw, read
 from planaria.diagnosis.preflight import PreflightReport
 from planaria.errors import ConfigError
 from planaria.events import EventKind, JobEvent
@@ -328,31 +319,18 @@ def run_command(
         raise SystemExit(EXIT_USAGE) from None
     if monitor_interval is not None:
         warning("--monitor-interval is ignored: the agent watches its workers every 20 ms")
-    if node_rank is not None and rdzv_endpoint is None:
-        error("--node-rank needs --rdzv-endpoint: without it, every node runs here")
-        raise SystemExit(EXIT_USAGE)
-    if rdzv_endpoint is not None:
-        if resume is not None or master_addr is not None or master_port is not None:
-            error(
-                "--rdzv-endpoint names the master's address and port: give no --master-addr, "
-                "--master-port or --resume with it"
-            )
-            raise SystemExit(EXIT_USAGE)
-        if rdzv_backend is not None and rdzv_backend not in BACKENDS:
-            error(f"--rdzv-backend {rdzv_backend!r}: expected one of {', '.join(BACKENDS)}")
-            raise SystemExit(EXIT_USAGE)
+    if rdzv_endpoint is not None or node_rank is not None:
         try:
-            endpoint = parse_endpoint(rdzv_endpoint)
-            token = shared_token()
-            here = local_address(endpoint.host)
-            rank = node_rank_of(node_rank)
+            launcher = Launcher.from_line(
+                rdzv_endpoint, rdzv_backend, node_rank, other=(resume, master_addr, master_port)
+            )
         except (LauncherError, OSError) as exc:
             error(str(exc))
             raise SystemExit(EXIT_USAGE) from None
-        is_master = node_rank == 0 if node_rank is not None else here is not None
-        raw_set = [*(set_ or []), *_endpoint_settings(endpoint, here, rank, is_master)]
-        if not is_master:
-            raise SystemExit(_join(endpoint, token, rank, file, raw_set))
+        raw_set = [*(set_ or []), *launcher.settings()]
+        if not launcher.is_master:
+            raise SystemExit(join(launcher, file, raw_set))
+        token = launcher.token
         resolved, manager = _prepare(file, raw_set, chaos or [], command, flags)
         summary, run_dir = asyncio.run(run_job(resolved, manager, hooks=hooks, token=token))
     elif resume is not None:
@@ -386,72 +364,6 @@ def run_command(
         if interrupted:  # a requeue wrapper tells a stop it asked for from a crash
             raise SystemExit(128 + interrupted[0])
         raise SystemExit(EXIT_USAGE if stopped_on_start(summary) else 1)
-
-
-def _endpoint_settings(
-    endpoint: Endpoint, here: str | None, rank: int | None, is_master: bool
-) -> list[str]:
-    """The job's fields a ``--rdzv-endpoint`` line sets: the master on the endpoint (over
-    TLS, which the agents' channel binding needs, on loopback too), nodes started outside,
-    this node's agent started by the master's launcher."""
-    if not is_master:
-        return ["scheduler.backend=external"]
-    address = here or "0.0.0.0"
-    return [
-        f"master.host={address}",
-        f"master.port={endpoint.port}",
-        f"master.advertise={endpoint.host}",
-        "master.tls=true",
-        "scheduler.backend=external",
-        f"scheduler.options.here={node_id(rank, address if here else endpoint.host)}",
-        f"scheduler.options.host={os.uname().nodename}",
-    ]
-
-
-def _join(
-    endpoint: Endpoint, token: str, rank: int | None, file: Path | None, overrides: list[str]
-) -> int:
-    """This launcher is a node's: learn the master's certificate, then run the node's agent
-    in this process. The training command is the master's (every launcher is given the same
-    line)."""
-    from planaria.agent.address import node_address
-    from planaria.agent.main import main as agent_main
-    from planaria.master.binding import BindingRefused, wait_for_master
-
-    raw = read(file, overrides)
-    configure_logging(raw)
-    resolved, _ = load_raw(raw, external_plugins(raw))
-    timeout = resolved.config.rendezvous.join_timeout
-    out.print(f"planaria: joining the job master at {endpoint.url}", highlight=False)
-
-    def waiting(why: str) -> None:
-        out.print(
-            f"planaria: no master at {endpoint.url} yet ({why}); trying for {timeout:g}s",
-            highlight=False,
-        )
-
-    try:
-        fingerprint = wait_for_master(endpoint.host, endpoint.port, token, timeout, waiting)
-    except BindingRefused as exc:
-        error(str(exc))
-        return EXIT_USAGE
-    address = node_address(endpoint.host)
-    me = node_id(rank, address)
-    log.bind(component="agent")
-    host = os.uname().nodename
-    return asyncio.run(agent_main(endpoint.url, token, me, host, fingerprint))
-
-
-def external_plugins(raw: RawConfig) -> PluginManager:
-    """The installed plugins, and the built-in ``external`` scheduler even where the
-    installed metadata predates it."""
-    from planaria.config.loader import disabled_plugins
-    from planaria.scheduler import external
-
-    manager = PluginManager.from_entry_points(disable=disabled_plugins(raw))
-    if "external" not in manager.plugins:
-        manager.register(external, "external")
-    return manager
 
 
 def _write_report(run_dir: Path) -> None:
