@@ -177,31 +177,10 @@ class Probes:
     routable_name: Callable[[str], str | None] = routable_name
 
 
-def choose(
-    host: str,
-    advertise: str | None,
-    *,
-    env: Mapping[str, str],
-    nodes: Callable[[], list[str]],
-    probes: Probes = Probes(),
-) -> Advertised:
-    """What agents are told for a master bound to ``host`` (``master.host``) with
-    ``advertise`` (``master.advertise``); ``env`` is the master's environment, ``nodes``
-    gives where the scheduler's nodes will run (asked only when it matters). See the module
-    docstring for the order. Raises :class:`AdvertiseError` when nothing is found."""
-    if advertise:
-        return Advertised(advertise, "master.advertise")
-    if not is_wildcard(host):
-        return Advertised(host, "master.host")
-    shown = host or "every interface"
-    found = env.get(ADVERTISE_ENV, "").strip()
-    if found:
-        if not carried_name(found):
-            raise AdvertiseError(
-                f"{ADVERTISE_ENV}={found!r} is neither an IP address nor a host name: unset it, "
-                "or set master.advertise to the address agents reach this machine at"
-            )
-        return Advertised(found, f"{ADVERTISE_ENV}, as the environment found it")
+def find(nodes: Callable[[], list[str]], probes: Probes = Probes()) -> Advertised:
+    """The address of this machine that the nodes reach, for a master bound to every
+    interface (steps 2 to 4 of the module docstring); ``nodes`` gives where the scheduler's
+    nodes will run. Raises :class:`AdvertiseError` saying what was tried."""
     hosts = nodes()
     chosen = probes.toward_nodes(hosts) if hosts else None
     if chosen is not None:
@@ -218,9 +197,41 @@ def choose(
         else "the scheduler does not know the nodes' machines before they start"
     )
     raise AdvertiseError(
-        f"master.host is {shown!r} (every interface) and master.advertise is not set, and no "
-        f"address of this machine was found that agents can reach: {tried}, there is no "
+        f"no address of this machine was found that agents can reach: {tried}, there is no "
         f"default route, and this machine's name {name!r} resolves to a loopback address or "
-        "not at all. Set master.advertise to the address or name of this machine that the "
-        "nodes reach"
+        "not at all"
     )
+
+
+def choose(
+    host: str,
+    advertise: str | None,
+    *,
+    env: Mapping[str, str],
+    nodes: Callable[[], list[str]],
+    probes: Probes = Probes(),
+) -> Advertised:
+    """What agents are told for a master bound to ``host`` (``master.host``) with
+    ``advertise`` (``master.advertise``); ``env`` is the master's environment, ``nodes``
+    gives where the scheduler's nodes will run (asked only when it matters). See the module
+    docstring for the order. Raises :class:`AdvertiseError` when nothing is found."""
+    if advertise:
+        return Advertised(advertise, "master.advertise")
+    if not is_wildcard(host):
+        return Advertised(host, "master.host")
+    found = env.get(ADVERTISE_ENV, "").strip()
+    if found:
+        if not carried_name(found):
+            raise AdvertiseError(
+                f"{ADVERTISE_ENV}={found!r} is neither an IP address nor a host name: unset it, "
+                "or set master.advertise to the address agents reach this machine at"
+            )
+        return Advertised(found, f"{ADVERTISE_ENV}, as the environment found it")
+    try:
+        return find(nodes, probes)
+    except AdvertiseError as exc:
+        raise AdvertiseError(
+            f"master.host is {host!r} (every interface) and master.advertise is not set, and "
+            f"{exc}. Set master.advertise to the address or name of this machine that the "
+            "nodes reach"
+        ) from None
