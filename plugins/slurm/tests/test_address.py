@@ -11,12 +11,14 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import conftest
 import pytest
 from planaria_slurm import SlurmOptions, SlurmScheduler
 from planaria_slurm.address import batch_host_address
 
 from planaria.master.advertise import ADVERTISE_ENV, Advertised
 from planaria.plugin import SubmitRequest
+from planaria.testing.jobs import job_events, run_planaria, wait_for, write_job
 from planaria.testing.netns import Network, unavailable
 
 
@@ -95,3 +97,36 @@ def test_in_an_allocation_on_this_machine_the_nodes_are_reached_on_loopback(allo
     assert batch_host_address({"SLURM_JOB_ID": allocation}) == Advertised(
         "127.0.0.1", "the nodes run on this machine (127.0.0.1)"
     )
+
+
+def test_a_submitted_job_bound_to_every_interface_tells_its_agents_the_batch_host(
+    tmp_path, slurm_cluster
+):
+    """``planaria submit`` of a job with ``master.host: 0.0.0.0`` and no advertise: the batch
+    script finds the batch host's address (the nodes' NodeAddr is loopback: the cluster is
+    this machine), the master takes it, serves TLS, and both agents reach it."""
+    command = [sys.executable, "-c", "from planaria import monitor; monitor.step(1)"]
+    scheduler = {"backend": "slurm", "options": {"sbatch": ["--oversubscribe"]}}
+    config = write_job(tmp_path, "advertise", command, scheduler)
+    submitted = run_planaria(tmp_path, "submit", str(config), "--set", "master.host=0.0.0.0")
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    job_id = submitted.stdout.split()[-1]
+
+    def ended() -> bool:
+        return conftest.slurm("squeue", "-h", "-j", job_id, check=False).stdout.strip() == ""
+
+    wait_for("the job's end", ended, timeout=180)
+    (out,) = tmp_path.glob(".planaria/slurm-*.out")
+    output = " ".join(out.read_text().split())
+    assert (
+        "the master's address for its agents: 127.0.0.1 (the nodes run on this machine "
+        "(127.0.0.1))" in output
+    ), output
+    assert (
+        f"agents are told the master is at 127.0.0.1: {ADVERTISE_ENV}, as the environment found "
+        "it" in output
+    ), output
+    assert "master at https://127.0.0.1:" in output, output
+    finished = [e for e in job_events(tmp_path) if e["kind"] == "job_finished"]
+    # Its two nodes trained: both agents reached the master at the address they were told.
+    assert [e["data"]["state"] for e in finished] == ["succeeded"], output
