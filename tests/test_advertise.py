@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -287,3 +288,75 @@ def test_a_master_that_cannot_tell_its_address_stops_naming_master_advertise(
     assert "master at" not in result.stdout
     assert list(tmp_path.glob("planaria-runs/*")) == []
     assert not os.path.exists(tmp_path / "rank-0.json")
+
+
+STEPPER = """
+import sys, time
+from pathlib import Path
+from planaria import monitor
+for step in range(1, 31):
+    monitor.step(step)
+    Path(sys.argv[1]).write_text(str(step))
+    time.sleep(0.25)
+"""
+
+
+def _step(progress: Path) -> int:
+    try:
+        return int(progress.read_text() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def test_a_resumed_master_keeps_the_address_its_agents_were_told(tmp_path: Path, mark: str):
+    """The first master took its address from the environment; the one resumed on its run
+    directory, in an environment that says otherwise, keeps it (the agents know no other)."""
+    stepper, progress = tmp_path / "stepper.py", tmp_path / "progress"
+    stepper.write_text(STEPPER)
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "job": {
+                    "name": "resume",
+                    "command": [sys.executable, str(stepper), str(progress)],
+                    "nodes": 1,
+                    "procs_per_node": 1,
+                    "max_restarts": 0,
+                    "preload": [],
+                },
+                "rendezvous": {"join_grace": "500ms", "join_timeout": "60s"},
+                "master": {"host": "0.0.0.0", "heartbeat_interval": "0.5s", "grace": "60s"},
+                "diagnosis": {"checks": []},
+            }
+        )
+    )
+    argv, env = _planaria_run(mark, (str(config),))
+    first = subprocess.Popen(
+        argv, cwd=tmp_path, env={**env, ADVERTISE_ENV: "127.0.0.1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while _step(progress) < 3:
+            assert time.monotonic() < deadline and first.poll() is None, "no step 3"
+            time.sleep(0.1)
+    finally:
+        first.kill()
+        said = first.communicate(timeout=30)[0]
+    assert f"agents are told the master is at 127.0.0.1: {ADVERTISE_ENV}" in said, said
+    (run_dir,) = tmp_path.glob("planaria-runs/*")
+    argv, env = _planaria_run(mark, ("--resume", str(run_dir)))
+    resumed = subprocess.run(
+        argv, cwd=tmp_path, env={**env, ADVERTISE_ENV: "localhost"},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output
+    flat = " ".join(resumed.stdout.split())
+    assert (
+        "agents are told the master is at 127.0.0.1: as the job's first master told its agents"
+        in flat
+    ), output
+    assert "master at https://127.0.0.1:" in flat, output
+    assert progress.read_text() == "30"
