@@ -67,7 +67,7 @@ printf '%s\\0' "$PWD" "${PLANARIA_MASTER_ADVERTISE-<unset>}" "$0" "$@" > "$PLANA
 """
 STALE = "stale-address-from-the-submitting-shell"
 """What sbatch's environment may carry already: replaced, or unset when no address is found."""
-ADDRESSES = HOSTILE.filter(lambda a: "\0" not in a and not a.endswith("\n"))
+ADDRESSES = HOSTILE.map(lambda a: a.replace("\0", "").rstrip("\n"))
 """Whatever the address step prints (a shell keeps no NUL, and drops trailing newlines)."""
 
 
