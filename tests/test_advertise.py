@@ -129,9 +129,8 @@ def test_a_node_name_of_this_machine_does_not_hide_the_others():
 PROBE = """
 import json, sys
 from planaria.master.advertise import default_route_address, toward_nodes
-print(json.dumps({"default": default_route_address(),
-                  "toward": toward_nodes(sys.argv[1:]).__dict__ if toward_nodes(sys.argv[1:])
-                  else None}))
+toward = toward_nodes(sys.argv[1:])
+print(json.dumps({"default": default_route_address(), "toward": toward and toward.__dict__}))
 """
 
 
