@@ -69,7 +69,7 @@ def test_the_default_route_s_address_or_exit_2_and_the_script_passes_it_on(net, 
     module = [sys.executable, "-m", "planaria_slurm.address"]
     done = _in(net, module)
     assert done.returncode == 2 and done.stdout == "", done
-    assert "cannot tell the master's address" in done.stderr and "no default route" in done.stderr
+    assert "cannot tell this host's address" in done.stderr and "no default route" in done.stderr
     script = tmp_path / "batch.sh"
     script.write_text(_script_part(tmp_path))
     environ = {ADVERTISE_ENV: "stale"}  # sbatch passes the submitter's environment on
@@ -119,8 +119,8 @@ def test_a_submitted_job_bound_to_every_interface_tells_its_agents_the_batch_hos
     (out,) = tmp_path.glob(".planaria/slurm-*.out")
     output = " ".join(out.read_text().split())
     assert (
-        "the master's address for its agents: 127.0.0.1 (the nodes run on this machine "
-        "(127.0.0.1))" in output
+        "this host's address for the allocation's nodes: 127.0.0.1 (the nodes run on this "
+        "machine (127.0.0.1))" in output
     ), output
     assert (
         f"agents are told the master is at 127.0.0.1: {ADVERTISE_ENV}, as the environment found "

@@ -29,10 +29,17 @@ def main() -> int:
     try:
         chosen = batch_host_address(os.environ)
     except AdvertiseError as exc:
-        print(f"planaria: cannot tell the master's address for its agents: {exc}", file=sys.stderr)
+        print(
+            f"planaria: cannot tell this host's address for the allocation's nodes: {exc}; a "
+            "master bound to every interface chooses, or asks for master.advertise, itself",
+            file=sys.stderr,
+        )
         return 2
-    print(f"planaria: the master's address for its agents: {chosen.address} ({chosen.why})",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"planaria: this host's address for the allocation's nodes: {chosen.address} "
+        f"({chosen.why}), for a master bound to every interface with no master.advertise",
+        file=sys.stderr,
+    )
     print(chosen.address)
     return 0
 
