@@ -41,6 +41,7 @@ from planaria.config import ResolvedConfig, load_raw, read
 from planaria.diagnosis.preflight import PreflightReport
 from planaria.errors import ConfigError
 from planaria.events import EventKind, JobEvent
+from planaria.master.advertise import Advertised
 from planaria.master.diagnosis import stopped_on_start
 from planaria.master.job import Master
 from planaria.master.journal import JournalError
@@ -209,7 +210,22 @@ def _started(spec: JobSpec, url: str) -> None:
     out.print(f"planaria: job {spec.job} (run {spec.run_id}), master at {url}")
 
 
-HOOKS = RunHooks(on_event=_print_event, on_start=_started, on_warning=warning, follow=_follow)
+def _advertised(advertised: Advertised) -> None:
+    out.print(
+        f"planaria: agents are told the master is at {advertised.address}: "
+        f"{advertised.why} (master.host binds every interface; set master.advertise to "
+        "choose)",
+        markup=False,
+    )
+
+
+HOOKS = RunHooks(
+    on_event=_print_event,
+    on_start=_started,
+    on_warning=warning,
+    on_advertise=_advertised,
+    follow=_follow,
+)
 
 
 Command = Annotated[

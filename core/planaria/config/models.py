@@ -461,7 +461,11 @@ class MasterSection(Section):
     host: str = Field(default="127.0.0.1", description="address the master's API binds")
     port: int = Field(default=0, ge=0, le=65535, description="0: any free port")
     advertise: str | None = Field(
-        default=None, description="address agents use to reach the master (default: host)"
+        default=None,
+        description="address or name agents use to reach the master (default: host; for a "
+        "host that binds every interface, 0.0.0.0 or ::, the master chooses one: "
+        "$PLANARIA_MASTER_ADVERTISE, else the address it reaches the nodes' machines from, "
+        "else its default route's, else its name, and says which)",
     )
     tls: bool | None = Field(
         default=None,

@@ -198,6 +198,14 @@ class Scheduler(ABC, Generic[OptionsT]):
         """Hosts this scheduler will not place nodes on any more."""
         return set()
 
+    def node_addresses(self) -> list[str]:
+        """Where this scheduler's nodes will run, known before any starts: the addresses of
+        their machines, or names that resolve to them (not :attr:`NodeHandle.host`, which may
+        be a label); ``[]`` when it cannot tell. A master bound to every interface tells its
+        agents the address it reaches these from (:mod:`planaria.master.advertise`). Called
+        from the scheduler's thread, before :meth:`launch`."""
+        return []
+
 
 class SchedulerRecord(PluginRecord):
     kind: ClassVar[PluginKind] = PluginKind.SCHEDULER

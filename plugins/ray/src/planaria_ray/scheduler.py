@@ -243,6 +243,17 @@ class RayScheduler(Scheduler[RayOptions]):
     def excluded_hosts(self) -> set[str]:
         return set(self._excluded)
 
+    def node_addresses(self) -> list[str]:
+        """The head node's host, where the cluster is joined (its nodes share its network);
+        ``127.0.0.1`` for the local cluster a run without ``address`` starts; none when the
+        address says nothing yet (``auto`` with no cluster started here)."""
+        if self.options.address is None:
+            return ["127.0.0.1"]
+        try:
+            return [cluster.gcs_endpoint(self.options.address)[0]]
+        except SchedulerError:
+            return []
+
     # -- the cluster ----------------------------------------------------------------------
 
     def _connect(self, count: int) -> None:
