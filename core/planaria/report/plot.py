@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import re
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,12 @@ MANY_NODES = 12
 LABELLED = 10
 """Faults and rounds whose marks are labelled (the last ones): more labels would only cover
 each other, and make the picture megabytes."""
+RIGHT = 0.6
+"""A label of a moment past this fraction of the time axis reads leftwards from its mark, so
+that one near the job's end stays inside the picture instead of running off its edge."""
+END_WIDTH = 140
+"""Characters a line of the job's end reason holds, below the chart: at the figure's width and
+size 8.5 a line of this many fits with room to spare."""
 
 
 class MissingMatplotlib(ImportError):
@@ -58,15 +65,22 @@ def figure(course: Course) -> Figure:
     _steps(steps, course)
     _nodes(nodes, course, shown > 0)
     _lanes(lanes, course)
-    end = max(course.end, 1.0)
-    lanes.set_xlim(-0.02 * end, end * 1.02)
+    lanes.set_xlim(-0.02 * _span(course), _span(course) * 1.02)
     lanes.set_xlabel("seconds since the job started")
+    if course.outcome is not None:
+        # The end reason may be a paragraph (a crash loop's): below the chart, wrapped to the
+        # figure's width. Drawn in a lane it ran off the picture, or squeezed the chart to
+        # make room for itself.
+        reason = textwrap.fill(f"end: {course.outcome.label}", END_WIDTH, max_lines=4)
+        fig.supxlabel(reason, x=0.01, ha="left", fontsize=8.5)
     title = f"{course.job} ({course.run_id})" if course.run_id else course.job
     fig.suptitle(title, fontsize=12)
     return fig
 
 
 def _steps(ax: Any, course: Course) -> None:
+    from matplotlib.ticker import MaxNLocator
+
     for k, line in enumerate(course.job_steps):
         ax.plot(
             [p.time for p in line],
@@ -110,17 +124,20 @@ def _steps(ax: Any, course: Course) -> None:
         )
     top = _top(course)
     for k, incident in enumerate(course.incidents[-LABELLED:]):
+        leftwards = _leftwards(incident.detected, course)
         ax.annotate(
             _headline(incident),
             xy=(incident.detected, top * (0.97 - 0.16 * (k % 3))),
-            xytext=(4, 0),
+            xytext=(-4 if leftwards else 4, 0),
             textcoords="offset points",
             fontsize=8.5,
             va="top",
+            ha="right" if leftwards else "left",
             color=FAULT,
             bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": FAULT, "alpha": 0.9},
         )
     ax.set_ylim(bottom=0, top=top * 1.02)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no step 1.25
     ax.set_ylabel("step")
     ax.grid(alpha=0.3)
     if course.job_steps or course.checkpoints:
@@ -145,9 +162,11 @@ def _nodes(ax: Any, course: Course, each: bool) -> None:
         return
     names = course.nodes_seen()
     row = {name: len(names) - 1 - i for i, name in enumerate(names)}
+    room = 0.05 * _span(course)  # a rank label's width, about, in seconds
     lost = {i.where: i.detected for i in course.incidents if i.kind == "node_lost"}
     for i, name in enumerate(names):
         colour = f"C{i % 10}"
+        free_from = float("-inf")  # where the row's last label ends: short rounds share one
         for r in course.rounds:
             end = min(r.end, lost.get(name, r.end))
             if name not in r.ranks or end < r.start:
@@ -159,8 +178,9 @@ def _nodes(ax: Any, course: Course, each: bool) -> None:
                 alpha=0.35,
                 linewidth=0,
             )
-            if r.number in labelled:
+            if r.number in labelled and r.start >= free_from:
                 ax.text(r.start, row[name], f" rank {r.ranks[name]}", va="center", fontsize=7)
+                free_from = r.start + room
         samples = [s for line in course.nodes.get(name, []) for s in line]
         ax.plot([s.time for s in samples], [row[name]] * len(samples), "|", color=colour, ms=9)
         if len(samples) <= 40:
@@ -176,16 +196,27 @@ def _nodes(ax: Any, course: Course, each: bool) -> None:
     for name, at in lost.items():
         if name in row:
             ax.plot([at], [row[name]], "X", color=FAULT, ms=9)
+            leftwards = _leftwards(at, course)
             ax.annotate(
                 "lost",
                 xy=(at, row[name]),
-                xytext=(7, -3),
+                xytext=(-7 if leftwards else 7, -3),
                 textcoords="offset points",
                 fontsize=7.5,
                 color=FAULT,
+                ha="right" if leftwards else "left",
             )
     ax.set_yticks(list(row.values()), list(row.keys()))
     ax.set_ylim(-0.6, len(names) - 0.4)
+
+
+def _span(course: Course) -> float:
+    """The seconds the time axis shows (at least one)."""
+    return max(course.end, 1.0)
+
+
+def _leftwards(t: float, course: Course) -> bool:
+    return t > RIGHT * _span(course)
 
 
 def _top(course: Course) -> float:
@@ -214,13 +245,15 @@ def _lanes(ax: Any, course: Course) -> None:
     ) -> None:
         ax.plot([t], [row[lane]], shape, color=colour, markersize=7)
         if label:  # close moments: every other label below its mark, not on its neighbour's
+            leftwards = _leftwards(t, course)
             ax.annotate(
                 label,
                 xy=(t, row[lane]),
-                xytext=(5, -11 if below else 4),
+                xytext=(-5 if leftwards else 5, -11 if below else 4),
                 textcoords="offset points",
                 fontsize=7.5,
                 color=colour,
+                ha="right" if leftwards else "left",
             )
 
     labelled = {i.number for i in course.incidents[-LABELLED:]}
@@ -250,10 +283,10 @@ def _lanes(ax: Any, course: Course) -> None:
         ax.plot(at, [row["checkpoint"]] * len(at), "^", color=CHECKPOINT, markersize=5)
     for s in course.stragglers:
         mark("straggler", s.time, STRAGGLER, s.label, "D")
-    if course.outcome is not None:
+    if course.outcome is not None:  # its reason is written below the chart
         ax.axvline(course.outcome.time, color="black", linewidth=1, linestyle="--")
         ax.annotate(
-            course.outcome.label,
+            "end",
             xy=(course.outcome.time, row["straggler"]),
             xytext=(-4, 0),
             textcoords="offset points",
