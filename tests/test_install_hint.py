@@ -3,6 +3,7 @@ checkout, the command that installs its folder into the environment planaria run
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
@@ -90,7 +91,7 @@ def test_a_missing_plugins_error_says_what_to_install(monkeypatch):
 
 
 def _planaria(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in __import__("os").environ.items() if k != "PLANARIA_DISABLE_PLUGINS"}
+    env = {k: v for k, v in os.environ.items() if k != "PLANARIA_DISABLE_PLUGINS"}
     return subprocess.run(
         [str(Path(sys.executable).parent / "planaria"), *args],
         cwd=cwd,
