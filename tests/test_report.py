@@ -12,10 +12,11 @@ import subprocess
 import sys
 import time
 import uuid
+from html import escape as html_escape
 from pathlib import Path
 
 import pytest
-from report_layout import narrowest_axes, text_outside
+from report_layout import narrowest_axes, overlapping, text_outside
 from test_run import job, marked_processes, run
 
 from planaria import rundir
@@ -189,18 +190,20 @@ def crash_loop_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_a_failed_runs_picture_keeps_its_text_inside_and_its_charts_wide(crash_loop_run):
     """The end reason is written in full below the chart, not across a lane; no label runs
-    off the picture; and the charts keep the figure's width (a long label squeezed them)."""
+    off the picture or over another; and the charts keep the figure's width (a long label
+    squeezed them)."""
     told = course(rundir.events(crash_loop_run), rundir.summary(crash_loop_run))
     assert told.outcome is not None and "crash loop" in told.outcome.label
     assert len(told.incidents) >= 2 and told.incidents[-1].recovered is None
     fig = plot.figure(told)
     assert text_outside(fig) == []
+    assert overlapping(fig) == []
     assert narrowest_axes(fig) > 0.8
     # The whole reason is in the picture, wrapped, and on the page.
     reason = " ".join(fig._supxlabel.get_text().split())
     assert reason == f"end: {told.outcome.label}"
     html = (crash_loop_run / "report.html").read_text()
-    assert told.outcome.label.split(";")[0] in html
+    assert html_escape(told.outcome.label.split(";")[0]) in html
 
 
 @pytest.mark.slow  # the job they share takes ~30 s
@@ -208,4 +211,5 @@ def test_a_recovered_runs_picture_keeps_its_text_inside(faulty_run):
     run_dir, _ = faulty_run
     fig = plot.figure(course(rundir.events(run_dir), rundir.summary(run_dir)))
     assert text_outside(fig) == []
+    assert overlapping(fig) == []
     assert narrowest_axes(fig) > 0.8

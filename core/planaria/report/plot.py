@@ -39,9 +39,12 @@ MANY_NODES = 12
 LABELLED = 10
 """Faults and rounds whose marks are labelled (the last ones): more labels would only cover
 each other, and make the picture megabytes."""
-RIGHT = 0.6
-"""A label of a moment past this fraction of the time axis reads leftwards from its mark, so
-that one near the job's end stays inside the picture instead of running off its edge."""
+WIDTH = 12.0
+"""The figure's width in inches."""
+AXES_POINTS = WIDTH * 72 * 0.9
+"""About how wide the charts are, in points: labels are placed by their estimated width."""
+CHAR = 0.62
+"""A character's width, about, in ems of the label's font (DejaVu Sans, matplotlib's)."""
 END_WIDTH = 140
 """Characters a line of the job's end reason holds, below the chart: at the figure's width and
 size 8.5 a line of this many fits with room to spare."""
@@ -58,7 +61,7 @@ def figure(course: Course) -> Figure:
     except ImportError as exc:
         raise MissingMatplotlib(str(exc)) from None
     shown = len(course.nodes_seen()) if len(course.nodes_seen()) <= MANY_NODES else 0
-    fig = Figure(figsize=(12, 7.5 + 0.35 * shown), layout="constrained")
+    fig = Figure(figsize=(WIDTH, 7.5 + 0.35 * shown), layout="constrained")
     steps, nodes, lanes = fig.subplots(
         3, 1, sharex=True, height_ratios=(3, 0.6 + 0.35 * max(shown, 1), 2.2)
     )
@@ -123,11 +126,16 @@ def _steps(ax: Any, course: Course) -> None:
             color=CHECKPOINT,
         )
     top = _top(course)
-    for k, incident in enumerate(course.incidents[-LABELLED:]):
-        leftwards = _leftwards(incident.detected, course)
+    shelves = Shelves(3)
+    for incident in reversed(course.incidents[-LABELLED:]):  # the last ones first
+        headline = _headline(incident)
+        lo, hi, leftwards = _extent(incident.detected, course, headline, 8.5, 8)
+        shelf = shelves.place(lo, hi)
+        if shelf is None:  # no room left near it: its number still marks the lanes below
+            continue
         ax.annotate(
-            _headline(incident),
-            xy=(incident.detected, top * (0.97 - 0.16 * (k % 3))),
+            headline,
+            xy=(incident.detected, top * (0.97 - 0.18 * shelf)),  # a row a box's height
             xytext=(-4 if leftwards else 4, 0),
             textcoords="offset points",
             fontsize=8.5,
@@ -143,7 +151,8 @@ def _steps(ax: Any, course: Course) -> None:
     if course.job_steps or course.checkpoints:
         ax.legend(loc="lower right", fontsize=8)
     else:
-        ax.text(0.5, 0.5, "no step in the timeline", transform=ax.transAxes, ha="center")
+        # Below the faults' headlines, which take the top half.
+        ax.text(0.5, 0.25, "no step in the timeline", transform=ax.transAxes, ha="center")
 
 
 def _nodes(ax: Any, course: Course, each: bool) -> None:
@@ -188,15 +197,16 @@ def _nodes(ax: Any, course: Course, each: bool) -> None:
                 ax.annotate(
                     str(s.step),
                     xy=(s.time, row[name]),
-                    xytext=(2, 5),
+                    xytext=(2, 6),  # over the bar's rank label, not on it
                     textcoords="offset points",
                     fontsize=6.5,
                     color=colour,
+                    va="bottom",
                 )
     for name, at in lost.items():
         if name in row:
             ax.plot([at], [row[name]], "X", color=FAULT, ms=9)
-            leftwards = _leftwards(at, course)
+            leftwards = _extent(at, course, "lost", 7.5, 7)[2]
             ax.annotate(
                 "lost",
                 xy=(at, row[name]),
@@ -215,8 +225,36 @@ def _span(course: Course) -> float:
     return max(course.end, 1.0)
 
 
-def _leftwards(t: float, course: Course) -> bool:
-    return t > RIGHT * _span(course)
+def _extent(
+    t: float, course: Course, text: str, size: float, offset: float
+) -> tuple[float, float, bool]:
+    """Where a label of the moment ``t`` lies across the time axis (fractions of its width,
+    estimated from its longest line at font ``size`` and ``offset`` points from its mark),
+    and whether it reads leftwards: only when reading rightwards would run it off the chart's
+    right edge, so that one near the job's end stays inside the picture."""
+    span = _span(course)
+    at = (t + 0.02 * span) / (1.04 * span)  # the axis shows 2% more on either side
+    longest = max((len(line) for line in text.splitlines()), default=0)
+    width = (longest * CHAR * size + offset) / AXES_POINTS
+    if at + width <= 0.99:
+        return at, at + width, False
+    return at - width, at, True
+
+
+class Shelves:
+    """Rows of labels (above a mark, below it ...): a label goes on the first row where it
+    covers no other label, or on none when every row is taken there, so that close moments
+    never print their labels over each other."""
+
+    def __init__(self, rows: int) -> None:
+        self.taken: list[list[tuple[float, float]]] = [[] for _ in range(rows)]
+
+    def place(self, lo: float, hi: float) -> int | None:
+        for row, spans in enumerate(self.taken):
+            if all(hi <= a or lo >= b for a, b in spans):
+                spans.append((lo, hi))
+                return row
+        return None
 
 
 def _top(course: Course) -> float:
@@ -240,42 +278,47 @@ def _headline(incident: Any) -> str:
 def _lanes(ax: Any, course: Course) -> None:
     row = {name: len(LANES) - 1 - i for i, name in enumerate(LANES)}
 
-    def mark(
-        lane: str, t: float, colour: str, label: str = "", shape: str = "o", below: bool = False
-    ) -> None:
+    shelves = {lane: Shelves(2) for lane in LANES}  # a lane's labels: above its marks, below
+
+    def mark(lane: str, t: float, colour: str, label: str = "", shape: str = "o") -> None:
         ax.plot([t], [row[lane]], shape, color=colour, markersize=7)
-        if label:  # close moments: every other label below its mark, not on its neighbour's
-            leftwards = _leftwards(t, course)
+        if not label:
+            return
+        lo, hi, leftwards = _extent(t, course, label, 7.5, 5)
+        below = shelves[lane].place(lo, hi)
+        if below is not None:
             ax.annotate(
                 label,
                 xy=(t, row[lane]),
-                xytext=(-5 if leftwards else 5, -11 if below else 4),
+                # Centred half a lane's height (22 points at the least) from the lane: off
+                # its mark, clear of the next lane's labels.
+                xytext=(-5 if leftwards else 5, -6 if below else 6),
                 textcoords="offset points",
                 fontsize=7.5,
                 color=colour,
                 ha="right" if leftwards else "left",
+                va="center",
             )
 
     labelled = {i.number for i in course.incidents[-LABELLED:]}
-    for i in course.incidents:
-        below = i.number % 2 == 0
+    for i in reversed(course.incidents):  # the last ones' labels first, where it is crowded
         if i.number not in labelled:
             _unlabelled(ax, row, i, course.end)
             continue
         fault_at = i.injected if i.injected is not None else i.detected
-        mark("fault", fault_at, FAULT, f"{i.number}: {i.kind}", "X", below)
-        mark("detected", i.detected, DETECTED, f"{i.number}: {i.where}", below=below)
+        mark("fault", fault_at, FAULT, f"{i.number}: {i.kind}", "X")
+        mark("detected", i.detected, DETECTED, f"{i.number}: {i.where}")
         if i.restarted is not None:
             label = f"{i.number}: round {i.round}"
             if i.replaced_by:
                 label += f", {i.replaced_by} in"
-            mark("restart", i.restarted, RESTART, label, below=below)
+            mark("restart", i.restarted, RESTART, label)
         if i.restored is not None and i.restore:
             where = "memory" if i.restore.startswith("memory") else "storage"
-            mark("restore", i.restored, RESTORE, f"{i.number}: {where}", "s", below)
+            mark("restore", i.restored, RESTORE, f"{i.number}: {where}", "s")
         if i.recovered is not None:
             took = f"{i.number}: {i.recovery_s or 0:.2f}s"
-            mark("recovered", i.recovered, RECOVERED, took, below=below)
+            mark("recovered", i.recovered, RECOVERED, took)
         span_end = i.recovered if i.recovered is not None else course.end
         ax.plot([fault_at, span_end], [row["fault"]] * 2, color=FAULT, alpha=0.4, linewidth=3)
     if course.checkpoints:
