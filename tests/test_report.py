@@ -207,9 +207,20 @@ def test_a_failed_runs_picture_keeps_its_text_inside_and_its_charts_wide(crash_l
 
 
 @pytest.mark.slow  # the job they share takes ~30 s
-def test_a_recovered_runs_picture_keeps_its_text_inside(faulty_run):
+def test_a_recovered_runs_picture_keeps_its_text_inside_and_shows_its_rate(faulty_run):
     run_dir, _ = faulty_run
-    fig = plot.figure(course(rundir.events(run_dir), rundir.summary(run_dir)))
+    told = course(rundir.events(run_dir), rundir.summary(run_dir))
+    fig = plot.figure(told)
     assert text_outside(fig) == []
     assert overlapping(fig) == []
+    # Its steps per second, on the step chart's right axis: over time they add up to the
+    # steps each line of the job's step shows.
+    (rate,) = [ax for ax in fig.axes if ax.get_ylabel() == "steps/s"]
+    done = 0.0
+    for line in rate.get_lines():
+        x, y = list(line.get_xdata()), list(line.get_ydata())
+        assert min(y) >= 0 and all(x[i] < x[i + 1] for i in range(0, len(x), 2))
+        done += sum((x[i + 1] - x[i]) * y[i] for i in range(0, len(x), 2))
+    shown = sum(line[-1].step - line[0].step for line in told.job_steps if len(line) > 1)
+    assert shown > 0 and done == pytest.approx(shown)
     assert narrowest_axes(fig) > 0.8

@@ -7,10 +7,10 @@ as paths (no font to fetch), and the same figure as a PNG for a chat or a ticket
 optional dependency (``pip install 'planaria[report]'``): the core does not need it to train.
 
 Three panels on one time axis: the job's step (one line between two faults, so that a restore
-shows as the line starting again lower), the checkpoints committed and each fault's span from
-its detection to its recovery; then each node as a bar over the rounds it trained in (its rank
-and its sampled steps on it, a cross where it was lost); then one lane a kind of moment (fault,
-detection, restart, restore, recovery, checkpoint, straggler), labelled.
+shows as the line starting again lower) and its steps per second, the checkpoints committed and
+each fault's span from its detection to its recovery; then each node as a bar over the rounds it
+trained in (its rank and its sampled steps on it, a cross where it was lost); then one lane a
+kind of moment (fault, detection, restart, restore, recovery, checkpoint, straggler), labelled.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ RESTORE = "#2471a3"
 RECOVERED = "#1e8449"
 CHECKPOINT = "#7f8c8d"
 STRAGGLER = "#b7950b"
+THROUGHPUT = "#5dade2"
+RATE_WINDOW = 0.01
+"""The least part of the job's time a steps-per-second figure spans (and a second)."""
 MANY_NODES = 12
 """Beyond this many nodes their lines share one colour and the legend names none."""
 LABELLED = 10
@@ -148,11 +151,62 @@ def _steps(ax: Any, course: Course) -> None:
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no step 1.25
     ax.set_ylabel("step")
     ax.grid(alpha=0.3)
+    rate = _throughput(ax, course)
     if course.job_steps or course.checkpoints:
-        ax.legend(loc="lower right", fontsize=8)
+        handles, labels = ax.get_legend_handles_labels()
+        if rate is not None:
+            more, named = rate.get_legend_handles_labels()
+            handles, labels = handles + more, labels + named
+        ax.legend(handles, labels, loc="lower right", fontsize=8)
     else:
         # Below the faults' headlines, which take the top half.
         ax.text(0.5, 0.25, "no step in the timeline", transform=ax.transAxes, ha="center")
+
+
+def _throughput(ax: Any, course: Course) -> Any:
+    """The job's steps per second, on the step chart's right axis (None without two samples
+    in a row): a slowdown, a straggler or a throttled chip, shows as a dip that the step line's
+    slope hides. Each rate spans at least ``RATE_WINDOW`` of the job, so that two samples a
+    moment apart (from two nodes) do not make a spike."""
+    window = max(RATE_WINDOW * _span(course), 1.0)
+    lines = []
+    for line in course.job_steps:
+        if not line:
+            continue
+        times: list[float] = []
+        rates: list[float] = []
+        start = line[0]
+        for k, sample in enumerate(line[1:], start=1):
+            if sample.step < start.step:  # not in one line; start again from it
+                start = sample
+                continue
+            last = k == len(line) - 1
+            if sample.time - start.time >= window or (last and sample.time > start.time):
+                times += [start.time, sample.time]
+                rates += [(sample.step - start.step) / (sample.time - start.time)] * 2
+                start = sample
+        if times:
+            lines.append((times, rates))
+    if not lines:
+        return None
+    right = ax.twinx()
+    # Beneath the step chart's own marks, labels and legend.
+    right.set_zorder(ax.get_zorder() - 1)
+    ax.patch.set_visible(False)
+    for k, (times, rates) in enumerate(lines):
+        right.plot(
+            times,
+            rates,
+            color=THROUGHPUT,
+            linewidth=1,
+            alpha=0.8,
+            label="steps/s" if k == 0 else None,
+        )
+    top = max(rate for _, rates in lines for rate in rates)
+    right.set_ylim(bottom=0, top=top * 1.3 if top > 0 else 1)
+    right.set_ylabel("steps/s", color=THROUGHPUT)
+    right.tick_params(axis="y", colors=THROUGHPUT)
+    return right
 
 
 def _nodes(ax: Any, course: Course, each: bool) -> None:
