@@ -214,6 +214,10 @@ class SchedulerRecord(PluginRecord):
         "ray": "planaria-ray",
         "kubernetes": "planaria-kubernetes",
     }
+    well_known_commands: ClassVar[frozenset[str]] = frozenset({"kubernetes"})
+    """The well-known schedulers that bring commands of their own (``planaria kubernetes
+    manifest``): asked for while not installed, ``planaria`` says what to install instead of
+    "No such command"."""
     factory: type[Scheduler]  # type: ignore[type-arg]  # pydantic rejects type[X[Any]]
     commands: Any = None
     """The scheduler's own commands, a ``typer.Typer`` run as ``planaria <name> ...`` (the
