@@ -76,22 +76,18 @@ class ConsoleBuffer:
         self._bytes = 0
         self._dropped = 0
         self._partial: dict[object, bytes] = {}
-        self._after_cr: set[object] = set()
         self._redraw: dict[object, int] = {}
         """A pipe's last pending line, when it ended with a bare ``\\r``: its index."""
 
     def feed(self, key: object, rank: int, stream: Stream, data: bytes) -> None:
         """What the pipe ``key`` (of rank ``rank``) gave: its whole lines become pending."""
         with self._lock:
-            if key in self._after_cr and data.startswith(b"\n"):
-                data = data[1:]  # the \r\n was cut between two reads
-            self._after_cr.discard(key)
             buf, pos = self._partial.pop(key, b"") + data, 0
-            for end in _ENDS.finditer(buf):
+            # A \r at the very end may be half of a \r\n: it waits for the next read.
+            whole = buf[:-1] if buf.endswith(b"\r") else buf
+            for end in _ENDS.finditer(whole):
                 self._add(key, rank, stream, buf[pos : end.start()], end.group() == b"\r")
                 pos = end.end()
-            if buf.endswith(b"\r"):
-                self._after_cr.add(key)
             rest = buf[pos:]
             while len(rest) > MAX_LINE:
                 self._add(key, rank, stream, rest[:MAX_LINE], False)
@@ -102,11 +98,10 @@ class ConsoleBuffer:
     def end(self, key: object, rank: int, stream: Stream) -> None:
         """The pipe ``key`` ended: its unfinished last line is a line too."""
         with self._lock:
-            rest = self._partial.pop(key, b"")
-            self._after_cr.discard(key)
-            self._redraw.pop(key, None)
+            rest = self._partial.pop(key, b"").rstrip(b"\r")
             if rest:
                 self._add(key, rank, stream, rest, False)
+            self._redraw.pop(key, None)  # the key (a file descriptor) may be reused
 
     def _add(self, key: object, rank: int, stream: Stream, raw: bytes, redraw: bool) -> None:
         if redraw:

@@ -196,11 +196,11 @@ class LogPump:
             except OSError:
                 data = b""
             if not data:  # every writer is gone
+                if source is not None and console is not None:
+                    console.end(fd, source.rank, source.stream)
                 self._logs.pop(fd, None)
                 self._release(pipe)
                 os.close(fd)
-                if source is not None and console is not None:
-                    console.end(fd, source.rank, source.stream)
                 return
             pipe.log.write(data)
             if source is not None and console is not None:
