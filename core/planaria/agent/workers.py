@@ -621,7 +621,6 @@ class WorkerLauncher:
         pump = self.pump()
         try:
             for spec in specs:
-                worker = _Worker(spec, pump)
                 sources = spec.sources()
                 if isinstance(sources, tuple):  # one stream shows, the other does not
                     fd = pump.pipe(spec.log_path, sources[0], spec.header)
@@ -632,6 +631,7 @@ class WorkerLauncher:
                         raise
                 else:
                     fd, err = pump.pipe(spec.log_path, sources, spec.header), -1
+                worker = _Worker(spec, pump)  # its output starts after the header
                 try:  # this forks in the event loop's thread: see the module's docstring
                     proc = await process.spawn(
                         argv, stdin=subprocess.DEVNULL, stdout=fd,
