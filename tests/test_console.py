@@ -22,7 +22,9 @@ from test_run import mark, run  # noqa: F401  (mark is a fixture)
 
 from planaria.agent.console import ConsoleBuffer, console_streams, prefix
 from planaria.agent.worker_logs import LogLimits, LogPump, Source
+from planaria.config import load_raw, read
 from planaria.config.models import LogsSection
+from planaria.errors import ConfigError
 from planaria.master.timeline import tail_of
 from planaria.protocol import JobSpec
 
@@ -124,6 +126,22 @@ def test_the_logs_section_takes_torchruns_spellings_and_names_a_bad_value():
             LogsSection.model_validate(bad)
         error = caught.value.errors()[0]
         assert error["loc"][0] == where and says in str(caught.value), caught.value
+
+
+def test_a_job_file_and_set_give_the_logs_fields_and_a_bad_one_is_named_with_its_source(
+    tmp_path,
+):
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        "job:\n  command: x\n  logs:\n    redirects: 1:3\n    tee: 0:1,1:2\n"
+        "    local_ranks_filter: 0,1\n"
+    )
+    logs = load_raw(read(path, ["job.logs.console=false"]))[0].config.job.logs
+    assert (logs.redirects, logs.tee, logs.local_ranks_filter) == ({1: 3}, {0: 1, 1: 2}, [0, 1])
+    assert logs.console is False
+    with pytest.raises(ConfigError) as caught:
+        load_raw(read(path, ["job.logs.redirects=9"]))
+    assert "job.logs.redirects (--set job.logs.redirects=9): 9: streams are 0" in str(caught.value)
 
 
 def test_two_pipes_share_one_capped_log_and_only_the_shown_one_reaches_the_console(tmp_path):
@@ -290,3 +308,6 @@ def test_filter_redirects_tee_log_dir_and_the_failed_ranks_tail_in_the_summary(t
     assert [line.strip() for line in lines[heading + 1 : heading + 16]] == [t.strip() for t in tail]
     assert any(line.startswith("│ failed rank") and "rank-2.log" in line for line in lines)
     assert f"logs: {run_logs}" in lines
+    (report,) = tmp_path.glob("planaria-runs/*/report.html")
+    page = report.read_text()
+    assert "last lines of rank 2:" in page and "ValueError: boom in rank 2</pre>" in page
