@@ -20,7 +20,7 @@ import yaml
 from pydantic import ValidationError
 from test_run import mark, run  # noqa: F401  (mark is a fixture)
 
-from planaria.agent.console import ConsoleBuffer, console_streams, prefix
+from planaria.agent.console import ConsoleBuffer, batches, console_streams, prefix
 from planaria.agent.worker_logs import LogLimits, LogPump, Source
 from planaria.config import load_raw, read
 from planaria.config.models import LogsSection
@@ -76,6 +76,40 @@ def test_a_full_buffer_drops_lines_and_counts_them_and_a_long_line_is_cut():
     assert [len(text) for _, _, text in lines] == [8192, 8192] and dropped == 0
     buffer.give_back(5)
     assert texts(buffer)[1] == 5
+
+
+def test_pending_lines_go_in_requests_of_bounded_size_in_order():
+    buffer = ConsoleBuffer()
+    buffer.feed("a", 0, "output", b"".join(b"%06d" % i + b"x" * 994 + b"\n" for i in range(1000)))
+    lines, _ = buffer.take()
+    parts = batches(lines, limit=100_000)
+    assert [line for part in parts for line in part] == lines
+    assert all(sum(len(line.text) + 16 for line in part) <= 100_000 for part in parts)
+    assert len(parts) == 11 and batches([]) == []
+
+
+def test_a_worker_never_waits_for_a_console_that_takes_nothing(tmp_path):
+    """Nobody takes the console's lines: the pipe still drains at full speed into the log,
+    and the console keeps what fits and counts the rest."""
+    buffer = ConsoleBuffer(max_bytes=1 << 20, max_lines=100)
+    pump = LogPump(LogLimits(), buffer)
+    path = tmp_path / "rank-0.log"
+    try:
+        fd = pump.pipe(path, Source(0))
+        with os.fdopen(fd, "wb") as pipe:  # blocking writes: they return only once read
+            for i in range(50_000):
+                pipe.write(b"line %d\n" % i)
+        deadline = time.monotonic() + 30
+        while path.stat().st_size < sum(len(b"line %d\n" % i) for i in range(50_000)):
+            assert time.monotonic() < deadline, path.stat().st_size
+            time.sleep(0.01)
+        pump.drain(path)
+    finally:
+        pump.close()
+    assert path.read_text().splitlines()[-1] == "line 49999"
+    lines, dropped = texts(buffer)
+    assert [text for _, _, text in lines] == [f"line {i}" for i in range(100)]
+    assert dropped == 50_000 - 100
 
 
 def spec(**logs: object) -> JobSpec:

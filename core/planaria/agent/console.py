@@ -13,7 +13,7 @@ Training never waits for the console. The thread that copies a worker's pipe int
 hands each line to a :class:`ConsoleBuffer`, which only appends to a bounded list; a line that
 does not fit (the master, or the terminal behind it, cannot keep up) is dropped and counted,
 and the console says how many. The agent sends what is pending every :data:`INTERVAL` seconds,
-one request at a time, so a node sends at most :data:`MAX_PENDING_BYTES` per request.
+one request at a time, in requests of at most :data:`REQUEST_BYTES` of text.
 
 A progress bar redraws its line with ``\\r``: a ``\\r`` ends a console line too, and the next
 line of the same pipe replaces it while it is unsent, so the console shows a bar's latest
@@ -39,6 +39,9 @@ MAX_PENDING_LINES = 10_000
 """What a node holds for the console before it drops lines."""
 MAX_LINE = 8192
 """A longer line is cut into pieces of this size (its whole is in the log)."""
+REQUEST_BYTES = 256 << 10
+"""The most text one request carries: well under the master's ``max_request_bytes`` (1 MiB
+by default) even where JSON escapes control characters."""
 
 _ENDS = re.compile(rb"\r\n|\n|\r")
 
@@ -61,6 +64,20 @@ def console_streams(spec: JobSpec, local_rank: int) -> int:
         return 0
     redirected = _of(spec.redirects, local_rank) & ~_of(spec.tee, local_rank)
     return 3 & ~redirected
+
+
+def batches(lines: list[OutputLine], limit: int = REQUEST_BYTES) -> list[list[OutputLine]]:
+    """``lines`` in order, cut into requests of at most ``limit`` bytes of text each."""
+    out: list[list[OutputLine]] = []
+    size = limit
+    for line in lines:
+        cost = len(line.text) + 16
+        if size + cost > limit and (not out or out[-1]):
+            out.append([])
+            size = 0
+        out[-1].append(line)
+        size += cost
+    return out
 
 
 class ConsoleBuffer:

@@ -20,7 +20,7 @@ from planaria.agent import address
 from planaria.agent.address import ADDR_ENV, free_port
 from planaria.agent.checkpoints import NodeCheckpoints
 from planaria.agent.client import Fenced, MasterClient, MasterUnreachable
-from planaria.agent.console import INTERVAL, ConsoleBuffer, console_streams
+from planaria.agent.console import INTERVAL, ConsoleBuffer, batches, console_streams
 from planaria.agent.preflight import preflight
 from planaria.agent.worker_logs import LogLimits
 from planaria.agent.workers import (
@@ -427,12 +427,16 @@ class Agent:
             lines, dropped = console.take()
             if not lines and not dropped:
                 return
-            report = WorkersOutput(node_id=self.node_id, lines=lines, dropped=dropped)
-            try:
-                await asyncio.wait_for(self.client.call("/output", report, Ack), timeout)
-            except Exception as exc:  # lost for the console; they are in the logs
-                log.debug("cannot forward the workers' output", error=str(exc))
-                console.give_back(len(lines) + dropped)
+            parts = batches(lines) or [[]]
+            for i, part in enumerate(parts):
+                report = WorkersOutput(node_id=self.node_id, lines=part, dropped=dropped)
+                try:
+                    await asyncio.wait_for(self.client.call("/output", report, Ack), timeout)
+                except Exception as exc:  # lost for the console; they are in the logs
+                    log.debug("cannot forward the workers' output", error=str(exc))
+                    console.give_back(sum(len(p) for p in parts[i:]) + dropped)
+                    return
+                dropped = 0
 
     async def _report(self, state: _RoundState, result: GroupResult) -> None:
         state.reported = True
