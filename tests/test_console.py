@@ -298,6 +298,10 @@ def test_the_console_shows_every_ranks_lines_prefixed_and_the_logs_mark_the_rest
         assert f"out of rank {rank} attempt 0" in first and "attempt 1" not in first
         assert f"out of rank {rank} attempt 1" in second and "attempt 0" not in second
     assert "ValueError: boom in rank 3" in (logs / "rank-3.log").read_text().split("====")[0]
+    # The job got over the failure: its summary names no failed rank.
+    (summary_file,) = tmp_path.glob("planaria-runs/*/summary.json")
+    assert json.loads(summary_file.read_text())["failed_rank"] is None
+    assert not any(line.startswith("last lines of rank") for line in lines)
 
 
 def test_filter_redirects_tee_log_dir_and_the_failed_ranks_tail_in_the_summary(tmp_path, mark):

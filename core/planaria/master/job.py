@@ -48,7 +48,7 @@ from planaria.master.state import (
     UnknownNode,
     Wake,
 )
-from planaria.master.timeline import Fault, Summary, Timeline, last_steps
+from planaria.master.timeline import FailedRank, Fault, Summary, Timeline, last_steps
 from planaria.protocol import (
     Action,
     CheckpointEvent,
@@ -764,8 +764,16 @@ class Master:
             stragglers=list(self.diagnosis.stragglers),
             preflight=self.preflight.report if self.settings.diagnosis.preflight.enabled else None,
             not_written=self._not_written(),
-            failed_rank=None if self.state is JobState.SUCCEEDED else self.diagnosis.failed_rank,
+            failed_rank=self._failed_rank(),
         )
+
+    def _failed_rank(self) -> FailedRank | None:
+        """The worker failure a failed job ended on: its last fault, a worker's, unrecovered
+        (not one the job got over before something else stopped it)."""
+        last = self.faults[-1] if self.faults else None
+        if self.state is not JobState.FAILED or last is None or last.kind != "worker_failed":
+            return None
+        return self.diagnosis.failed_rank if last.recovered_at is None else None
 
     def _not_written(self) -> list[str]:
         lost = dict(self.not_written)
