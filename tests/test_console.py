@@ -78,6 +78,28 @@ def test_a_full_buffer_drops_lines_and_counts_them_and_a_long_line_is_cut():
     assert texts(buffer)[1] == 5
 
 
+def test_output_past_the_bound_is_dropped_whole_lines_at_a_time_and_counted():
+    buffer = ConsoleBuffer(max_bytes=10)
+    buffer.feed("a", 0, "output", b"abc\nde")
+    buffer.feed("a", 0, "output", b"f\ng\n")  # 10 bytes pending: the bound
+    buffer.feed("a", 0, "output", b"h\ni\n")  # over it: two lines lost
+    assert texts(buffer) == ([(0, "output", s) for s in ("abc", "def", "g")], 2)
+    # A line cut by a drop is lost whole: neither its start nor its rest is shown.
+    buffer.feed("a", 0, "output", b"jklmnopq")
+    buffer.feed("a", 0, "output", b"rst\nu\nvw")  # dropped: ends mid-line
+    assert texts(buffer) == ([], 2)  # "jklmnopqrst" and "u"
+    buffer.feed("a", 0, "output", b"xy\nz\n")  # "vwxy" is the rest of a lost line
+    assert texts(buffer) == ([(0, "output", "z")], 1)
+    buffer.feed("b", 1, "output", b"0123456789")
+    buffer.feed("b", 1, "output", b"\n")  # dropped: it ended the line
+    buffer.end("b", 1, "output")
+    assert texts(buffer) == ([], 1)  # the pipe's end shows no half line
+    buffer.feed("c", 2, "output", b"more")
+    buffer.feed("c", 2, "output", b"\n")
+    buffer.end("c", 2, "output")
+    assert texts(buffer) == ([(2, "output", "more")], 0)
+
+
 def test_pending_lines_go_in_requests_of_bounded_size_in_order():
     buffer = ConsoleBuffer()
     buffer.feed("a", 0, "output", b"".join(b"%06d" % i + b"x" * 994 + b"\n" for i in range(1000)))
