@@ -65,6 +65,8 @@ from planaria.shm import UnsafePathError, make_private_dir, node_dir, remove_dir
 log = get_logger("agent")
 
 POLL = 0.02
+OUTPUT_TIMEOUT = 10.0
+"""The longest the workers' lines wait to be sent; a report waits 2 s at most for them."""
 
 
 def node_address(master_url: str) -> str:
@@ -417,30 +419,38 @@ class Agent:
             await asyncio.sleep(INTERVAL)
             await self._flush_output()
 
-    async def _flush_output(self, timeout: float | None = None) -> None:
+    async def _flush_output(self, timeout: float = OUTPUT_TIMEOUT) -> None:
         """Send what the console has not had yet: before a report, so that a worker's last
-        lines (its traceback) are on the console before the job's end is."""
+        lines (its traceback) are on the console before the job's end is. It gives up after
+        ``timeout`` seconds (a report never waits longer for the console); what it could not
+        send is counted as not shown."""
         console = self.console
         if console is None:
             return
-        async with self._console_lock:
+        try:
+            await asyncio.wait_for(self._console_lock.acquire(), timeout)
+        except asyncio.TimeoutError:
+            return
+        try:
             lines, dropped = console.take()
-            if not lines and not dropped:
-                return
-            parts = batches(lines) or [[]]
+            parts = batches(lines) or ([[]] if dropped else [])
             for i, part in enumerate(parts):
                 report = WorkersOutput(node_id=self.node_id, lines=part, dropped=dropped)
                 try:
                     await asyncio.wait_for(self.client.call("/output", report, Ack), timeout)
-                except Exception as exc:  # lost for the console; they are in the logs
-                    log.debug("cannot forward the workers' output", error=str(exc))
+                except BaseException as exc:  # lost for the console; they are in the logs
                     console.give_back(sum(len(p) for p in parts[i:]) + dropped)
+                    if not isinstance(exc, Exception):
+                        raise
+                    log.debug("cannot forward the workers' output", error=str(exc))
                     return
                 dropped = 0
+        finally:
+            self._console_lock.release()
 
     async def _report(self, state: _RoundState, result: GroupResult) -> None:
         state.reported = True
-        await self._flush_output(timeout=5.0)
+        await self._flush_output(timeout=2.0)
         await self._flush_checkpoint_events()
         state.activity = "succeeded" if result.succeeded else "failed"
         failures = [
