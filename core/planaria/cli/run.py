@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import os
 import signal
+import textwrap
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -16,10 +17,12 @@ from rich.table import Table
 from rich.text import Text
 
 from planaria import log
+from planaria.agent.console import prefix
 from planaria.cli.app import EXIT_USAGE, ConfigOption, SetOption, app, configure_logging
 from planaria.cli.launch import (
     META_LITERAL,
     LaunchError,
+    LocalRanksFilterOption,
     LogDirOption,
     MasterAddrOption,
     MasterPortOption,
@@ -30,9 +33,11 @@ from planaria.cli.launch import (
     NoPythonOption,
     NprocOption,
     RdzvIdOption,
+    RedirectsOption,
     RunCommand,
     ShutdownOption,
     StandaloneOption,
+    TeeOption,
     TorchrunFlags,
     training_command,
 )
@@ -56,7 +61,7 @@ from planaria.master.timeline import (
     summary_rows,
 )
 from planaria.plugin.manager import PluginManager
-from planaria.protocol import FINGERPRINT_ENV, MASTER_ENV, TOKEN_ENV, JobSpec
+from planaria.protocol import FINGERPRINT_ENV, MASTER_ENV, TOKEN_ENV, JobSpec, WorkersOutput
 
 EVENT_STYLE = {
     EventKind.FAULT_DETECTED: "bold red",
@@ -117,6 +122,20 @@ def _print_event(event: JobEvent) -> None:
     out.print(f"[{style}]{text}[/]" if style else text, markup=bool(style), highlight=False)
 
 
+def _print_output(report: WorkersOutput) -> None:
+    """The workers' lines, each with its rank's prefix, in one write: lines stay whole among
+    the event lines (:mod:`planaria.agent.console`)."""
+    text = "\n".join(prefix(line.rank) + line.text for line in report.lines)
+    if report.dropped:
+        note = (
+            f"planaria: {report.dropped} line(s) of node {report.node_id}'s workers not shown "
+            "(the console could not keep up); the logs have them"
+        )
+        text = f"{text}\n{note}" if text else note
+    # Text, not markup; no folding: a long line is one line, as the worker wrote it.
+    out.print(Text(text), highlight=False, soft_wrap=True)
+
+
 def _print_table(table: Table) -> None:
     """On a terminal a table fits the terminal. Elsewhere (a CI log, ``| tee``) there is no
     width to fit, and rich's default of 80 columns would fold every long cell to a few words a
@@ -155,7 +174,13 @@ def print_summary(summary: Summary, run_dir: Path) -> None:
         _print_table(part)
     if summary.preflight is not None:
         print_preflight(summary.preflight)
-    out.print(f"timeline: {run_dir / 'events.jsonl'}\nlogs: {run_dir / 'logs'}")
+    failed = summary.failed_rank
+    if failed is not None and failed.tail:
+        where = f" ({failed.log})" if failed.log else ""
+        out.print(Text(f"last lines of rank {failed.rank}{where}:", "bold red"))
+        out.print(Text(textwrap.indent(failed.tail, "  ")), highlight=False, soft_wrap=True)
+    logs = Path(failed.log).parent if failed is not None and failed.log else run_dir / "logs"
+    out.print(f"timeline: {run_dir / 'events.jsonl'}\nlogs: {logs}", markup=False)
 
 
 def preflight_line(report: PreflightReport) -> str:
@@ -225,6 +250,7 @@ HOOKS = RunHooks(
     on_warning=warning,
     on_advertise=_advertised,
     follow=_follow,
+    on_output=_print_output,
 )
 
 
@@ -285,6 +311,9 @@ def run_command(
     master_addr: MasterAddrOption = None,
     master_port: MasterPortOption = None,
     log_dir: LogDirOption = None,
+    redirects: RedirectsOption = None,
+    tee: TeeOption = None,
+    local_ranks_filter: LocalRanksFilterOption = None,
     shutdown_timeout: ShutdownOption = None,
     monitor_interval: MonitorOption = None,
     module: ModuleOption = False,
@@ -310,6 +339,9 @@ def run_command(
         master_addr=master_addr,
         master_port=master_port,
         log_dir=log_dir,
+        redirects=redirects,
+        tee=tee,
+        local_ranks_filter=local_ranks_filter,
         shutdown_timeout=shutdown_timeout,
         module=module,
         no_python=no_python,

@@ -48,7 +48,7 @@ from planaria.master.state import (
     UnknownNode,
     Wake,
 )
-from planaria.master.timeline import Fault, Summary, Timeline, last_steps
+from planaria.master.timeline import FailedRank, Fault, Summary, Timeline, last_steps
 from planaria.protocol import (
     Action,
     CheckpointEvent,
@@ -62,6 +62,7 @@ from planaria.protocol import (
     RegisterRequest,
     RendezvousInfo,
     RoundDirectives,
+    WorkersOutput,
     WorkersReport,
 )
 from planaria.scheduler.api import LaunchSpec, NodeEvent, NodeHandle, NodeState, Scheduler
@@ -106,6 +107,8 @@ class Master:
             procs_per_node=self.spec.procs_per_node,
         )
         self.timeline = Timeline(run_dir / "events.jsonl", self.spec.job, observer or _ignore)
+        self.on_output: Callable[[WorkersOutput], None] = lambda report: None
+        """Where the workers' lines go (``planaria run`` prints them)."""
         self.fleet = Fleet(
             scheduler, self.timeline, self.spec.heartbeat_interval, self.spec.heartbeat_timeout
         )
@@ -556,6 +559,11 @@ class Master:
             node.phase = NodePhase.FAILED
         self.diagnosis.workers_failed(node, report, current=current)
 
+    def worker_output(self, report: WorkersOutput) -> None:
+        """Lines a node's workers wrote: to the console (:mod:`planaria.agent.console`)."""
+        self.heard_from(report.node_id, fence=False)
+        self.on_output(report)
+
     def checkpoint_event(self, report: CheckpointEvent) -> None:
         node = self.heard_from(report.node_id, fence=False)
         stop = self.checkpoints.event(node.node_id, report)
@@ -756,7 +764,16 @@ class Master:
             stragglers=list(self.diagnosis.stragglers),
             preflight=self.preflight.report if self.settings.diagnosis.preflight.enabled else None,
             not_written=self._not_written(),
+            failed_rank=self._failed_rank(),
         )
+
+    def _failed_rank(self) -> FailedRank | None:
+        """The worker failure a failed job ended on: its last fault, a worker's, unrecovered
+        (not one the job got over before something else stopped it)."""
+        last = self.faults[-1] if self.faults else None
+        if self.state is not JobState.FAILED or last is None or last.kind != "worker_failed":
+            return None
+        return self.diagnosis.failed_rank if last.recovered_at is None else None
 
     def _not_written(self) -> list[str]:
         lost = dict(self.not_written)

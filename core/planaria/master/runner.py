@@ -54,7 +54,14 @@ from planaria.master.transport import transport
 from planaria.master.trust import check_private
 from planaria.plugin.manager import PluginManager
 from planaria.plugin.records import PluginKind
-from planaria.protocol import FINGERPRINT_ENV, MASTER_ENV, TOKEN_ENV, CheckpointSpec, JobSpec
+from planaria.protocol import (
+    FINGERPRINT_ENV,
+    MASTER_ENV,
+    TOKEN_ENV,
+    CheckpointSpec,
+    JobSpec,
+    WorkersOutput,
+)
 from planaria.scheduler.api import LaunchSpec, Scheduler
 
 TICK = 0.05
@@ -126,6 +133,8 @@ class RunHooks:
     on_advertise: Callable[[Advertised], None] = _ignore
     """The address agents are told, and why, when the master chose it (the config binds
     every interface and advertises nothing)."""
+    on_output: Callable[[WorkersOutput], None] = _ignore
+    """Lines the workers wrote (:mod:`planaria.agent.console`), as they come."""
     follow: Callable[[Master, asyncio.Future[Summary]], Awaitable[Summary]] = field(default=_wait)
     """Awaits the running job and returns its summary; meanwhile it may show its status."""
     on_interrupt: Callable[[signal.Signals], None] = _ignore
@@ -183,7 +192,22 @@ def _run_dir(resolved: ResolvedConfig) -> tuple[str, Path]:
             "job.run_dir to a directory this user can write"
         )
         raise ConfigError([resolved.issue("job.run_dir", message)], resolved.source) from None
+    logs = worker_log_dir(resolved, run_id, run_dir)
+    try:
+        logs.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        message = f"cannot create the log directory {logs}: {exc.strerror or exc}"
+        raise ConfigError([resolved.issue("job.logs.dir", message)], resolved.source) from None
     return run_id, run_dir
+
+
+def worker_log_dir(resolved: ResolvedConfig, run_id: str, run_dir: Path) -> Path:
+    """Where the workers' logs go: the run's ``logs/``, or a folder of the run's in
+    ``job.logs.dir`` (torchrun's ``--log-dir`` also keeps each run apart)."""
+    job = resolved.config.job
+    if job.logs.dir is None:
+        return run_dir / "logs"
+    return (job.workdir / job.logs.dir / run_id).absolute()
 
 
 def _checkpoint_spec(resolved: ResolvedConfig, run_dir: Path) -> CheckpointSpec:
@@ -232,6 +256,11 @@ def _job_spec(
         stop_grace=job.stop_grace,
         log_max_bytes=int(job.logs.max_bytes),
         log_keep=job.logs.keep,
+        log_dir=None if job.logs.dir is None else str(worker_log_dir(resolved, run_id, run_dir)),
+        console=job.logs.console,
+        redirects=job.logs.redirects,
+        tee=job.logs.tee,
+        local_ranks_filter=job.logs.local_ranks_filter,
         preload=[] if preflight_only else job.preload,
         chaos=config.chaos,
         checkpoint=None if preflight_only else _checkpoint_spec(resolved, run_dir),
@@ -485,7 +514,9 @@ def _master(
         manager.emit(event)
 
     settings = _settings(resolved, manager, spec, preflight_only)
-    return Master(settings, scheduler, run_dir, observe)
+    master = Master(settings, scheduler, run_dir, observe)
+    master.on_output = hooks.on_output
+    return master
 
 
 async def _run(

@@ -62,6 +62,34 @@ class Fault:
         return max(0, self.last_step - self.first_step_after + 1)
 
 
+TAIL_LINES = 15
+TAIL_BYTES = 4096
+
+
+def tail_of(text: str, lines: int = TAIL_LINES, max_bytes: int = TAIL_BYTES) -> str:
+    """The last ``lines`` lines of ``text``, within ``max_bytes``: a traceback's end, which
+    names the exception, fits; a long log does not flood the summary."""
+    kept = text.rstrip("\n").splitlines()[-lines:]
+    while kept and len("\n".join(kept).encode()) > max_bytes:
+        kept.pop(0)
+    if not kept and text:  # one line longer than the bound: its end
+        kept = [text.rstrip("\n").encode()[-max_bytes:].decode("utf-8", "ignore")]
+    return "\n".join(kept)
+
+
+@dataclass
+class FailedRank:
+    """The worker failure that drove the job's last fault: where to read why."""
+
+    rank: int
+    node: str
+    description: str
+    log: str
+    """The log that holds its output ("" when its agent did not say)."""
+    tail: str
+    """The last lines of its output (:func:`tail_of`): mostly its traceback's end."""
+
+
 NO_STEPS = (
     "the training command never reported a step: call planaria.monitor.step(n) or Checkpointer.save"
 )
@@ -91,6 +119,8 @@ class Summary:
     preflight: PreflightReport | None = None
     not_written: list[str] = field(default_factory=list)
     """Files of the run's record that could not be written (a full disk), and why."""
+    failed_rank: FailedRank | None = None
+    """A job that did not succeed: the last worker failure that drove a fault, if any."""
     """The pre-flight node check, when the job ran one."""
 
     @property
@@ -147,6 +177,10 @@ def summary_rows(summary: Summary) -> list[Row]:
         rows.append(Row("started from scratch", summary.started_from_scratch, alarm=True))
     if summary.not_written:
         rows.append(Row("not written", "\n".join(summary.not_written), alarm=True))
+    failed = summary.failed_rank
+    if failed is not None:
+        where = f"rank {failed.rank} (node {failed.node}) {failed.description}"
+        rows.append(Row("failed rank", where + (f"; its log: {failed.log}" if failed.log else "")))
     return rows
 
 

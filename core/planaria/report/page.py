@@ -111,6 +111,9 @@ def _summary(summary: Summary) -> str:
         css = ' class="alarm"' if row.alarm or failed else ""
         html.append(f"<tr><th>{escape(row.what)}</th><td{css}>{_text(row.value)}</td></tr>")
     html.append("</table>")
+    rank = summary.failed_rank
+    if rank is not None and rank.tail:
+        html.append(f"<p>last lines of rank {rank.rank}:</p><pre>{escape(rank.tail)}</pre>")
     return "\n".join(html)
 
 
