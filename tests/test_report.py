@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
-from html import escape as html_escape
+from html import escape
 from pathlib import Path
 
 import pytest
@@ -84,8 +84,9 @@ def test_every_run_writes_a_report_telling_both_faults_and_their_recoveries(faul
     assert faults[0]["restored_from"].startswith("memory") and faults[0]["recovered_at"]
     lost = faults[kinds.index("node_lost")]
     assert re.fullmatch(r"storage \(step \d+\)", lost["restored_from"]), lost
-    goodput = re.search(r"goodput\s*│\s*([\d.]+%)", output)
-    assert goodput and f"<td>{goodput.group(1)}</td>" in html
+    goodput = re.search(r"goodput\s*│\s*([\d.]+%: [^│]*?)\s*│", output)
+    assert goodput and f"<td>{escape(goodput.group(1))}</td>" in html  # with its definition
+    assert "start-up and recovery count against it" in goodput.group(1)
 
     # Each fault from the timeline: detected, restarted, restored, recovered.
     told = course(rundir.events(run_dir), rundir.summary(run_dir))
@@ -203,7 +204,7 @@ def test_a_failed_runs_picture_keeps_its_text_inside_and_its_charts_wide(crash_l
     reason = " ".join(fig._supxlabel.get_text().split())
     assert reason == f"end: {told.outcome.label}"
     html = (crash_loop_run / "report.html").read_text()
-    assert html_escape(told.outcome.label.split(";")[0]) in html
+    assert escape(told.outcome.label.split(";")[0]) in html
 
 
 @pytest.mark.slow  # the job they share takes ~30 s

@@ -285,6 +285,8 @@ class ChaosReport(Message):
     node_id: str
     rule: ChaosRule
     time: float
+    step: int = -1
+    """The highest step the node's workers completed when the rule fired (-1: none)."""
 
 
 class Ack(Message):
@@ -319,6 +321,7 @@ class NodeStatus(Message):
     state: str
     node_rank: int | None
     step: int
+    """The last step the node's workers completed, as the master last heard (-1: none)."""
 
 
 class JobStatus(Message):
@@ -329,5 +332,10 @@ class JobStatus(Message):
     restarts: int
     max_restarts: int
     step: int
+    """The newest step the job's workers completed, as the master heard (-1: none): a step's
+    number, not a count (see ``steps_done``)."""
     nodes: list[NodeStatus]
+    steps_done: int = 0
+    """Steps done in this run, counted as the summary counts them: from the first step
+    reported to the last, both included."""
     reason: str = ""

@@ -546,7 +546,7 @@ class Agent:
                 if not due:
                     continue
                 if rule.kind == "kill_node" and rule.node_rank == state.info.node_rank:
-                    await self._kill_self(rule)
+                    await self._kill_self(rule, top)
                 elif rule.kind == "kill_worker" and rule.rank in rank_range:
                     assert rule.rank is not None
                     rules.remove(rule)
@@ -569,9 +569,9 @@ class Agent:
         except PlanariaError as exc:
             log.error("could not report the hang", error=str(exc))
 
-    async def _kill_self(self, rule: ChaosRule) -> None:
+    async def _kill_self(self, rule: ChaosRule, step: int) -> None:
         log.warning("chaos: killing this node's agent", rule=rule.model_dump(mode="json"))
-        report = ChaosReport(node_id=self.node_id, rule=rule, time=time.time())
+        report = ChaosReport(node_id=self.node_id, rule=rule, time=time.time(), step=step)
         try:
             await asyncio.wait_for(self.client.call("/chaos", report, Ack), timeout=2)
         finally:

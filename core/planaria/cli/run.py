@@ -102,12 +102,12 @@ def _prepare(
 def _status_table(master: Master) -> Table:
     status = master.status()
     table = Table(title=f"{status.job} - {status.state}", expand=False)
-    for column in ("round", "step", "restarts", "nodes"):
+    for column in ("round", "steps done", "restarts", "nodes"):  # counted as the summary counts
         table.add_column(column)
     up = sum(1 for n in status.nodes if n.node_rank is not None and n.state == "running")
     table.add_row(
         str(status.round),
-        str(max(status.step, 0)),
+        str(status.steps_done),
         f"{status.restarts}/{status.max_restarts}",
         f"{up} running / {len(status.nodes)} known",
     )

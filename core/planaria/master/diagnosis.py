@@ -165,11 +165,16 @@ class Diagnosis:
 
     def chaos(self, report: ChaosReport) -> None:
         """A fault injected on purpose is about to fire: the timeline says so first."""
-        self.job.heard_from(report.node_id)  # a node the job knows, as for every report
+        node = self.job.heard_from(report.node_id)  # a node the job knows, as for every report
+        # The step it fired at: a node killed now is lost there, not at its last heartbeat's.
+        node.step = max(node.step, report.step)
+        self.job.saw_step(report.step)
+        at = f" at step {report.step}" if report.step >= 0 else ""
         self.job.emit(
             events.FaultDetected(fault="chaos", rule=report.rule.model_dump(mode="json")),
-            f"chaos: {report.rule.kind} on node {report.node_id}",
+            f"chaos: {report.rule.kind} on node {report.node_id}{at}",
             node=report.node_id,
+            step=report.step if report.step >= 0 else None,
         )
 
     # -- hangs ------------------------------------------------------------------------------

@@ -160,10 +160,7 @@ def summary_rows(summary: Summary) -> list[Row]:
         rows.append(Row("start-up (to first step)", f"{summary.startup_s:.2f}s"))
     rows.append(Row("restarts", str(summary.restarts)))
     rows.append(Row("downtime (recovery)", f"{summary.downtime_s:.2f}s"))
-    goodput = summary.goodput
-    rows.append(
-        Row("goodput", "unknown: no step reported" if goodput is None else f"{goodput:.1%}")
-    )
+    rows.append(Row("goodput", _goodput(summary)))
     if summary.checkpoints:
         last = f"{summary.checkpoints} (last: step {summary.last_checkpoint})"
         rows.append(Row("checkpoints committed", last))
@@ -182,6 +179,20 @@ def summary_rows(summary: Summary) -> list[Row]:
         where = f"rank {failed.rank} (node {failed.node}) {failed.description}"
         rows.append(Row("failed rank", where + (f"; its log: {failed.log}" if failed.log else "")))
     return rows
+
+
+GOODPUT = "time training over wall time: start-up and recovery count against it"
+
+
+def _goodput(summary: Summary) -> str:
+    """The goodput with its definition and the figures it came from: a bare percentage reads
+    as training efficiency, while a short job's start-up alone can take most of it."""
+    goodput = summary.goodput
+    if goodput is None:
+        return f"unknown: no step reported ({GOODPUT})"
+    lost = f"{summary.wall_s:.2f}s wall time - {summary.startup_s or 0.0:.2f}s start-up - "
+    lost += f"{summary.downtime_s:.2f}s recovery"
+    return f"{goodput:.1%}: {GOODPUT} (({lost}) / {summary.wall_s:.2f}s)"
 
 
 FAULT_COLUMNS = ("fault", "class", "detail", "action", "restored from", "recovery", "steps lost")
