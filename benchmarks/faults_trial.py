@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from planaria.shm import name_prefix
+
 MARK = "PLANARIA_FAULTS_MARK"
 SHM = Path("/dev/shm")
 STEP_LINE = "step "
@@ -292,7 +294,7 @@ class Trial:
         started = [e for e in self.events() if e["kind"] == "job_started"]
         if not started:
             return []
-        prefix = f"planaria-{started[0]['data']['run_id']}-"
+        prefix = f"{name_prefix()}{started[0]['data']['run_id']}-"
         deadline = time.monotonic() + (5 if wait else 0)
         while (found := sorted(SHM.glob(f"{prefix}*"))) and time.monotonic() < deadline:
             time.sleep(0.1)

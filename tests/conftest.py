@@ -4,60 +4,16 @@ import os
 import shutil
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from planaria import leftovers
-from planaria.testing import assert_nothing_left
+pytest_plugins = ["planaria.testing.leaks"]
+"""After every test, nothing it started still runs and nothing it created is left in /dev/shm."""
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PLUGIN_FIXTURES = FIXTURES / "plugins"
-SHM = Path("/dev/shm")
-
-
-def _shm_files() -> set[str]:
-    try:
-        return {name for name in os.listdir(SHM) if "planaria" in name}
-    except FileNotFoundError:
-        return set()
-
-
-@pytest.fixture(autouse=True)
-def no_shm_leak() -> Iterator[None]:
-    """No test leaves a planaria file in /dev/shm (segments, progress boards, sockets).
-
-    A persister frees its node's files once its agent is gone, which takes a moment after the
-    agent died: allow a few seconds before calling it a leak. The check sees the whole
-    machine: ``PLANARIA_TEST_SHM_CHECK=0`` turns it off while other planaria jobs run here."""
-    if os.environ.get("PLANARIA_TEST_SHM_CHECK") == "0":
-        yield
-        return
-    before = _shm_files()
-    yield
-    deadline = time.monotonic() + 10
-    while (left := _shm_files() - before) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not left, f"left in /dev/shm: {sorted(left)}"
-
-
-@pytest.fixture(scope="session", autouse=True)
-def trace_marker() -> Iterator[str]:
-    """This session's marker in os.environ: every process a test starts inherits it."""
-    with leftovers.marking() as marker:
-        yield marker
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_running(trace_marker: str, no_shm_leak: None) -> Iterator[None]:
-    """No test leaves a process running: whatever still carries the session's marker after it
-    (allowing processes on their way out a few seconds) is killed and fails the test. It asks
-    for ``no_shm_leak`` so that its own check comes first: a leftover holding shared memory is
-    named as the process it is."""
-    yield
-    assert_nothing_left(trace_marker)
 
 
 @pytest.fixture

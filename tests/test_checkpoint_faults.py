@@ -37,7 +37,7 @@ from planaria.checkpoint.env import (  # noqa: E402
     STORAGE_ENV,
 )
 from planaria.checkpoint.persisted import PersistedCheckpoints, checksum  # noqa: E402
-from planaria.shm import make_temp_dir, remove_dir  # noqa: E402
+from planaria.shm import make_temp_dir, name_prefix, remove_dir  # noqa: E402
 from planaria.storage.local import LocalStorage, LocalStorageOptions  # noqa: E402
 
 mark = test_run.mark  # the fixture that checks no process of a run outlives it
@@ -344,7 +344,7 @@ class Node:
     managed workers (``Checkpointer()`` under ``planaria run``'s environment)."""
 
     def __init__(self, tmp_path: Path, storage: Path, keep_last: int = 3) -> None:
-        self.directory = make_temp_dir("planaria-test-")  # the node's private directory
+        self.directory = make_temp_dir(name_prefix() + "test-")  # the node's private directory
         self.socket = self.directory / "sock"
         self.spec = {"backend": "local", "options": {"path": str(storage)}}
         self.keep_last = keep_last
@@ -539,7 +539,7 @@ ORPHANING_PARENT = textwrap.dedent(
 
 
 def test_a_persister_whose_agent_died_follows_it_promptly(tmp_path: Path) -> None:
-    directory = make_temp_dir("planaria-test-")
+    directory = make_temp_dir(name_prefix() + "test-")
     storage = json.dumps({"backend": "local", "options": {"path": str(tmp_path / "ckpt")}})
     parent = subprocess.Popen(
         [sys.executable, "-c", ORPHANING_PARENT, str(directory), storage],

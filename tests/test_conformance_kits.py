@@ -117,6 +117,7 @@ def test_the_scheduler_kit(run_kit: Callable[..., PytestRun]) -> None:
             "test_stop_leaves_no_process",
             "test_stop_is_idempotent_and_silences_the_nodes",
         },
+        "TestEndpointsAsAddresses": {"test_node_addresses_before_a_launch_then_a_launch"},
     }, run.output
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from grafana_dashboard import SERIES, asked, dashboard, served
 from prometheus_client.parser import text_string_to_metric_families
 from test_master_api import settings
 from test_run import EXAMPLE, job, marked_processes, start
@@ -323,3 +324,33 @@ def test_events_before_the_metrics_were_made_are_counted_too(tmp_path: Path) -> 
     assert scrape.get("planaria_restarts_total", cause="hang") == 2
     assert scrape.get("planaria_restarts_total", cause="scale_up") == 1
     assert scrape.get("planaria_events_total", kind="workers_restarted") == 3
+
+
+def test_the_grafana_dashboard_asks_only_for_what_the_master_serves(faulty_run: Run) -> None:
+    """Every metric a query of ``docs/grafana.json`` names is served by the real job's master,
+    and the dashboard shows what a user asks of a job: its goodput, faults, recovery..."""
+    served_names: set[str] = set()
+    for scrape in faulty_run.scrapes:
+        served_names |= served(scrape.text)
+    asked_names = asked(dashboard())
+    unknown = {name: where for name, where in asked_names.items() if name not in served_names}
+    assert unknown == {}, f"the dashboard asks for metrics no master serves: {unknown}"
+    assert {
+        "planaria_step",
+        "planaria_goodput_ratio",
+        "planaria_restarts_total",
+        "planaria_faults_total",
+        "planaria_recovery_seconds_bucket",
+        "planaria_steps_lost_total",
+        "planaria_checkpoints_committed_total",
+        "planaria_nodes",
+        "planaria_node_step_seconds",
+    } <= set(asked_names)
+    # Every family the master serves is on the dashboard.
+    missing = [
+        family.name
+        for family in text_string_to_metric_families(faulty_run.scrapes[-1].text)
+        if not {family.name + suffix for suffix in SERIES.get(family.type, ("",))}
+        & set(asked_names)
+    ]
+    assert missing == [], f"metrics the dashboard does not show: {missing}"

@@ -12,13 +12,15 @@ import subprocess
 import sys
 import time
 import uuid
+from html import escape
 from pathlib import Path
 
 import pytest
+from report_layout import narrowest_axes, overlapping, text_outside
 from test_run import job, marked_processes, run
 
 from planaria import rundir
-from planaria.report import course
+from planaria.report import course, plot
 
 pytest.importorskip("torch")
 pytest.importorskip("matplotlib")
@@ -82,8 +84,9 @@ def test_every_run_writes_a_report_telling_both_faults_and_their_recoveries(faul
     assert faults[0]["restored_from"].startswith("memory") and faults[0]["recovered_at"]
     lost = faults[kinds.index("node_lost")]
     assert re.fullmatch(r"storage \(step \d+\)", lost["restored_from"]), lost
-    goodput = re.search(r"goodput\s*│\s*([\d.]+%)", output)
-    assert goodput and f"<td>{goodput.group(1)}</td>" in html
+    goodput = re.search(r"goodput\s*│\s*([\d.]+%: [^│]*?)\s*│", output)
+    assert goodput and f"<td>{escape(goodput.group(1))}</td>" in html  # with its definition
+    assert "start-up and recovery count against it" in goodput.group(1)
 
     # Each fault from the timeline: detected, restarted, restored, recovered.
     told = course(rundir.events(run_dir), rundir.summary(run_dir))
@@ -161,3 +164,64 @@ def test_a_directory_that_is_no_run_is_an_error(tmp_path):
     assert "is not a planaria run directory" in result.stderr
     result = report(str(tmp_path / "missing"))
     assert result.returncode == 2 and "does not exist" in result.stderr
+
+
+CRASH = "import sys, time; time.sleep(0.3); print('boom', file=sys.stderr); sys.exit(3)"
+
+
+@pytest.fixture(scope="module")
+def crash_loop_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real job whose every worker fails before any step: stopped as a crash loop, with
+    a reason a paragraph long."""
+    where = tmp_path_factory.mktemp("crashloop")
+    mark = uuid.uuid4().hex
+    try:
+        config = job(where, job={"command": [sys.executable, "-c", CRASH], "max_restarts": 4})
+        result = run(where, mark, str(config))
+    finally:
+        deadline = time.monotonic() + 5
+        while (left := marked_processes(mark)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert left == [], f"processes of the job survived it: {left}"
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "crash loop" in result.stdout
+    (run_dir,) = where.glob("planaria-runs/*")
+    return run_dir
+
+
+def test_a_failed_runs_picture_keeps_its_text_inside_and_its_charts_wide(crash_loop_run):
+    """The end reason is written in full below the chart, not across a lane; no label runs
+    off the picture or over another; and the charts keep the figure's width (a long label
+    squeezed them)."""
+    told = course(rundir.events(crash_loop_run), rundir.summary(crash_loop_run))
+    assert told.outcome is not None and "crash loop" in told.outcome.label
+    assert len(told.incidents) >= 2 and told.incidents[-1].recovered is None
+    fig = plot.figure(told)
+    assert text_outside(fig) == []
+    assert overlapping(fig) == []
+    assert narrowest_axes(fig) > 0.8
+    # The whole reason is in the picture, wrapped, and on the page.
+    reason = " ".join(fig._supxlabel.get_text().split())
+    assert reason == f"end: {told.outcome.label}"
+    html = (crash_loop_run / "report.html").read_text()
+    assert escape(told.outcome.label.split(";")[0]) in html
+
+
+@pytest.mark.slow  # the job they share takes ~30 s
+def test_a_recovered_runs_picture_keeps_its_text_inside_and_shows_its_rate(faulty_run):
+    run_dir, _ = faulty_run
+    told = course(rundir.events(run_dir), rundir.summary(run_dir))
+    fig = plot.figure(told)
+    assert text_outside(fig) == []
+    assert overlapping(fig) == []
+    # Its steps per second, on the step chart's right axis: over time they add up to the
+    # steps each line of the job's step shows.
+    (rate,) = [ax for ax in fig.axes if ax.get_ylabel() == "steps/s"]
+    done = 0.0
+    for line in rate.get_lines():
+        x, y = list(line.get_xdata()), list(line.get_ydata())
+        assert min(y) >= 0 and all(x[i] < x[i + 1] for i in range(0, len(x), 2))
+        done += sum((x[i + 1] - x[i]) * y[i] for i in range(0, len(x), 2))
+    shown = sum(line[-1].step - line[0].step for line in told.job_steps if len(line) > 1)
+    assert shown > 0 and done == pytest.approx(shown)
+    assert narrowest_axes(fig) > 0.8

@@ -25,6 +25,7 @@ from planaria.shm import (
     UnsafePathError,
     create_file,
     make_private_dir,
+    name_prefix,
     open_file,
     remove_dir,
 )
@@ -170,15 +171,15 @@ def test_files_are_created_exclusively_and_opened_only_if_ours(intruder, victim,
 
 ATTACKER = """
 import os, sys, time
-victim, count = sys.argv[1], int(sys.argv[2])
+victim, count, prefix = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 deadline = time.time() + 120
 planted = False
 while time.time() < deadline and not planted:
     for name in os.listdir("/dev/shm"):
-        if name.startswith("planaria-e2e-") and "-node-0" in name:
-            run = name[len("planaria-"):name.index("-node-0")]
+        if name.startswith(prefix + "e2e-") and "-node-0" in name:
+            run = name[len(prefix):name.index("-node-0")]
             for i in range(2, 2 + count):
-                base = f"/dev/shm/planaria-{run}-node-{i}"
+                base = f"/dev/shm/{prefix}{run}-node-{i}"
                 # Where the files of a node that will come would go: its progress board and
                 # segments by name, and its directory (as a link, or a directory of mine).
                 for suffix in (".progress", ".ckpt-0", ".ckpt-1", ".sock"):
@@ -205,7 +206,13 @@ def test_a_job_whose_replacement_nodes_were_planted_for_writes_nothing_through_t
 ):
     victim.parent.chmod(0o755)  # the links' targets: root's, and root's alone to write
     attacker = as_intruder(
-        intruder, ATTACKER, str(victim), "2", stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        intruder,
+        ATTACKER,
+        str(victim),
+        "2",
+        name_prefix(),  # the names this test's job gives its files
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     try:
         chaos = [{"kind": "kill_node", "node_rank": 1, "at_step": 8}]
@@ -216,7 +223,7 @@ def test_a_job_whose_replacement_nodes_were_planted_for_writes_nothing_through_t
         if attacker.poll() is None:
             attacker.kill()
             attacker.wait()
-        for path in SHM.glob("planaria-e2e-*"):
+        for path in SHM.glob(f"{name_prefix()}e2e-*"):
             if path.is_symlink() or path.is_file():
                 path.unlink(missing_ok=True)
             elif path.stat().st_uid != 0:

@@ -90,6 +90,7 @@ def test_steps_lost_after_an_outside_kill_are_those_the_workers_redid(tmp_path, 
     # (and reported by another rank) without rank 0 printing it.
     lost_steps = recovered[0]["data"]["steps_lost"]
     assert lost_steps in (last_before - resumed, last_before + 1 - resumed), (
-        f"rank 0 printed step {last_before} last, resumed after step {resumed}", output
+        f"rank 0 printed step {last_before} last, resumed after step {resumed}",
+        output,
     )
     assert f"{lost_steps}" in output.split("steps lost", 1)[1]

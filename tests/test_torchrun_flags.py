@@ -111,6 +111,15 @@ def parse(*args: str) -> dict[str, Any]:
             },
         ),
         (("--shutdown-timeout", "7.5", "t.py"), {"shutdown_timeout": 7.5, "command": ["t.py"]}),
+        (
+            ("-r", "3", "--tee=0:1", "--local_ranks_filter", "0,1", "t.py", "-r", "x"),
+            {
+                "redirects": "3",
+                "tee": "0:1",
+                "local_ranks_filter": "0,1",
+                "command": ["t.py", "-r", "x"],
+            },
+        ),
         (("--monitor_interval", "1", "t.py"), {"monitor_interval": 1.0, "command": ["t.py"]}),
         (("--resume", "runs/r1"), {"resume": Path("runs/r1")}),
     ],
@@ -137,7 +146,9 @@ def test_line_is_cut_before_the_script_and_read_as_torchrun_does(args, expected)
         (("--lr", "0.1", "t.py"), ["No such option", "--lr"]),
         (("--rdzv-conf", "x=1", "t.py"), ["--rdzv-conf", "rendezvous section"]),
         (("--node-rank", "-1", "t.py"), ["--node-rank"]),
-        (("-r", "3", "t.py"), ["'-r'", "logs/"]),
+        (("-r", "4", "t.py"), ["'-r'", "0 (neither), 1 (stdout), 2 (stderr) or 3 (both)"]),
+        (("--tee", "0:x", "t.py"), ["'-t' / '--tee'", "'0:x'", "LOCAL_RANK:STREAMS"]),
+        (("--local-ranks-filter", "a", "t.py"), ["--local-ranks-filter", "'a'"]),
     ],
 )
 def test_a_bad_flag_is_named(args, names):
@@ -198,6 +209,9 @@ def test_flags_override_the_job_file(tmp_path):
         master_addr="0.0.0.0",
         master_port=29500,
         log_dir="runs",
+        redirects="0:1,1:2",
+        tee="1",
+        local_ranks_filter="0",
         shutdown_timeout=3.0,
     )
     flags.apply(raw)
@@ -206,8 +220,8 @@ def test_flags_override_the_job_file(tmp_path):
         "nodes": "1:2",
         "procs_per_node": os.cpu_count(),
         "max_restarts": 0,
-        "run_dir": "runs",
         "stop_grace": 3.0,
+        "logs": {"dir": "runs", "redirects": "0:1,1:2", "tee": "1", "local_ranks_filter": "0"},
     }
     assert raw.data["master"] == {"host": "0.0.0.0", "port": 29500}
     untouched = read(path)

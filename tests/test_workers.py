@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import os
@@ -18,6 +19,7 @@ from typing import Any, TypeVar
 import pytest
 
 from planaria import leftovers
+from planaria.agent.console import ConsoleBuffer
 from planaria.agent.program import parse_python_command, same_interpreter
 from planaria.agent.worker_logs import LogLimits
 from planaria.agent.workers import (
@@ -821,3 +823,61 @@ def test_warm_spawn_is_fast(tmp_path: Path) -> None:
     # Against the cold start measured here, not a number of seconds: a loaded machine slows
     # both alike. The warm one skips interpreter start-up and `import torch` (~10x here).
     assert warm_s * 2 < cold_s
+
+
+def test_each_stream_goes_to_the_console_as_asked_and_both_to_the_log(
+    tmp_path: Path, warm: bool
+) -> None:
+    """Local rank 0 shows stdout only, 1 stderr only, 2 both, 3 neither; every log has both
+    streams after its restart mark, and a failure's tail is the worker's own output."""
+    prog = write(
+        tmp_path / "both.py",
+        """
+        import os, sys, time
+        rank = os.environ["RANK"]
+        print(f"out {rank}", flush=True)
+        print(f"err {rank}", file=sys.stderr, flush=True)
+        if rank != "13":
+            sys.exit(0)
+        logs = [f"logs/rank-{i}.log" for i in range(3)]  # fail once the others have written
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(
+            "err" in open(log).read() and "out" in open(log).read() for log in logs
+        ):
+            time.sleep(0.01)
+        sys.exit(5)
+        """,
+    )
+    console = ConsoleBuffer()
+    mark = b"==== planaria: restart 1 ====\n"
+
+    async def main() -> GroupResult:
+        lau = launcher(tmp_path, [PY, str(prog)], warm, console=console)
+        await lau.start()
+        try:
+            asked = [
+                dataclasses.replace(s, rank=10 + s.local_rank, console=c, header=mark)
+                for s, c in zip(specs(tmp_path, 4), (1, 2, 3, 0), strict=True)
+            ]
+            return await (await lau.spawn(asked)).wait()
+        finally:
+            await lau.close()
+
+    result = run(main())
+    lines, dropped = console.take()
+    shown = sorted((line.rank, line.stream, line.text) for line in lines)
+    assert dropped == 0
+    assert shown == [
+        (10, "stdout", "out 10"),
+        (11, "stderr", "err 11"),
+        (12, "output", "err 12"),
+        (12, "output", "out 12"),
+    ]
+    for i in range(4):
+        text = (tmp_path / "logs" / f"rank-{i}.log").read_text()
+        assert text.startswith(mark.decode()), text
+        assert f"out {10 + i}\n" in text and f"err {10 + i}\n" in text
+    failure = result.first_failure
+    assert failure is not None and failure.exitcode == 5
+    assert sorted(failure.log_tail.splitlines()) == ["err 13", "out 13"]
+    assert failure.log_path == str(tmp_path / "logs" / "rank-3.log")

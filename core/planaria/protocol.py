@@ -63,6 +63,17 @@ class JobSpec(Message):
     log_max_bytes: int = 100 << 20
     """Each worker log is rotated past this size, ``log_keep`` rotated files kept."""
     log_keep: int = 3
+    log_dir: str | None = None
+    """Where the worker logs go (``rank-N.log``); None: the run's ``logs/``."""
+    console: bool = True
+    """Forward the workers' output to the master, which shows it on the console."""
+    redirects: int | dict[int, int] = 0
+    """Streams (1 stdout, 2 stderr, 3 both) kept off the console, for every local rank or
+    per local rank (torchrun's ``--redirects``)."""
+    tee: int | dict[int, int] = 0
+    """Redirected streams shown on the console all the same (torchrun's ``--tee``)."""
+    local_ranks_filter: list[int] | None = None
+    """The local ranks whose output the console shows; None: all."""
     chaos: list[ChaosRule] = Field(default_factory=list)
     checkpoint: CheckpointSpec | None = None
     diagnosis: DiagnosisSpec = Field(default_factory=DiagnosisSpec)
@@ -223,6 +234,8 @@ class WorkerFailure(Message):
     start_error: str | None = None
     """Why the worker never started (the program is missing, the environment too large, the
     node too small): the fault is the job's own, and a restart would fail the same way."""
+    log_path: str | None = None
+    """The log that holds the worker's output (its traceback): what the summary names."""
 
 
 class WorkersReport(Message):
@@ -246,10 +259,34 @@ class WorkersReport(Message):
     """The highest step any local worker completed in this round."""
 
 
+Stream = Literal["stdout", "stderr", "output"]
+"""Which of a worker's streams a line came from; ``output``: stdout and stderr share a pipe."""
+
+
+class OutputLine(Message):
+    """One line a worker wrote, without its line end."""
+
+    rank: int
+    text: str
+    stream: Stream = "output"
+    """``output``: the worker's stdout and stderr share one pipe (both go to the console)."""
+
+
+class WorkersOutput(Message):
+    """What a node's workers wrote, for the ``planaria run`` console; ``dropped`` lines were
+    not forwarded because the console could not keep up."""
+
+    node_id: str
+    lines: list[OutputLine] = Field(default_factory=list, max_length=100_000)
+    dropped: int = 0
+
+
 class ChaosReport(Message):
     node_id: str
     rule: ChaosRule
     time: float
+    step: int = -1
+    """The highest step the node's workers completed when the rule fired (-1: none)."""
 
 
 class Ack(Message):
@@ -297,6 +334,7 @@ class NodeStatus(Message):
     state: str
     node_rank: int | None
     step: int
+    """The last step the node's workers completed, as the master last heard (-1: none)."""
 
 
 class JobStatus(Message):
@@ -307,5 +345,10 @@ class JobStatus(Message):
     restarts: int
     max_restarts: int
     step: int
+    """The newest step the job's workers completed, as the master heard (-1: none): a step's
+    number, not a count (see ``steps_done``)."""
     nodes: list[NodeStatus]
+    steps_done: int = 0
+    """Steps done in this run, counted as the summary counts them: from the first step
+    reported to the last, both included."""
     reason: str = ""

@@ -9,6 +9,11 @@ it are still created with ``O_EXCL | O_NOFOLLOW`` and opened with ``O_NOFOLLOW``
 check, so that a mistake elsewhere cannot turn into a write through a link.
 
 An existing entry that is not ours is an :class:`UnsafePathError`, never reused.
+
+Every name starts with :func:`name_prefix`: ``planaria-``, or ``planaria-<tag>-`` where
+``PLANARIA_SHM_TAG`` is set. The tag is how a test suite tells its own files from those of other
+planaria jobs on the same machine: each test sets its own, every process it starts inherits it,
+and the test checks for leftovers only among the names that carry it.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -25,6 +31,9 @@ from planaria.errors import PlanariaError
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "planaria-"
+TAG_ENV = "PLANARIA_SHM_TAG"
+"""A tag planaria puts in the name of everything it creates in /dev/shm (see the module's doc)."""
+_TAG = re.compile(r"[A-Za-z0-9]{1,16}")
 _NAME_MAX = 80
 """Longest directory name: a Unix socket's path inside it must stay under 108 bytes."""
 
@@ -33,13 +42,27 @@ class UnsafePathError(PlanariaError):
     """A path in a shared directory is not ours (another user's file, a link, wrong mode)."""
 
 
+def name_prefix() -> str:
+    """How every name planaria gives a file or directory in /dev/shm starts: ``planaria-``, or
+    ``planaria-<tag>-`` with ``PLANARIA_SHM_TAG=<tag>`` in the environment."""
+    tag = os.environ.get(TAG_ENV, "")
+    if not tag:
+        return PREFIX
+    if not _TAG.fullmatch(tag):
+        raise PlanariaError(
+            f"{TAG_ENV}={tag!r} in the environment: a tag is 1 to 16 letters or digits"
+        )
+    return f"{PREFIX}{tag}-"
+
+
 def node_dir(run_id: str, node_id: str, base: Path = SHM_DIR) -> Path:
-    """The private directory of one node of one run: ``planaria-<run>-<node>``, shortened with
-    a digest when the names are long."""
-    name = f"{PREFIX}{run_id}-{node_id}"
+    """The private directory of one node of one run: ``planaria-<run>-<node>`` (with the tag
+    of :func:`name_prefix`), shortened with a digest when the names are long."""
+    prefix = name_prefix()
+    name = f"{prefix}{run_id}-{node_id}"
     if len(name) > _NAME_MAX:
         digest = hashlib.sha256(f"{run_id}\0{node_id}".encode()).hexdigest()[:16]
-        name = f"{PREFIX}{run_id[:40]}-{digest}"
+        name = f"{prefix}{run_id[:40]}-{digest}"
     return base / name
 
 

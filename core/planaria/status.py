@@ -239,8 +239,16 @@ def _ended(run_dir: Path, journalled: Journalled, steps: dict[str, int]) -> JobS
         )
         for node_id, record in journalled.nodes.items()
     ]
+    # Steps done as the summary counted them, else as the master would have: from the first
+    # step reported (the journal keeps it) to the last one sampled.
+    first = int(job.get("first_step", 0) or 0)
     summary = rundir.summary(run_dir)
-    last = summary.steps - 1 if summary is not None else -1
+    sampled = max((n.step for n in nodes), default=-1)
+    if summary is not None:
+        done = summary.steps
+    else:
+        done = max(0, sampled - first + 1) if sampled >= 0 else 0
+    last = first + done - 1 if done else -1
     return JobStatus(
         job=str(spec.get("job", "")),
         run_id=str(spec.get("run_id", run_dir.name)),
@@ -251,6 +259,7 @@ def _ended(run_dir: Path, journalled: Journalled, steps: dict[str, int]) -> JobS
         step=max([last, *(n.step for n in nodes if n.node_rank is not None)]),
         nodes=sorted(nodes, key=lambda n: n.node_id),
         reason=reason,
+        steps_done=done,
     )
 
 

@@ -20,6 +20,7 @@ from planaria.agent import address
 from planaria.agent.address import ADDR_ENV, free_port
 from planaria.agent.checkpoints import NodeCheckpoints
 from planaria.agent.client import Fenced, MasterClient, MasterUnreachable
+from planaria.agent.console import INTERVAL, ConsoleBuffer, batches, console_streams
 from planaria.agent.preflight import preflight
 from planaria.agent.worker_logs import LogLimits
 from planaria.agent.workers import (
@@ -56,6 +57,7 @@ from planaria.protocol import (
     RendezvousInfo,
     RoundDirectives,
     WorkerFailure,
+    WorkersOutput,
     WorkersReport,
 )
 from planaria.shm import UnsafePathError, make_private_dir, node_dir, remove_dir
@@ -63,6 +65,8 @@ from planaria.shm import UnsafePathError, make_private_dir, node_dir, remove_dir
 log = get_logger("agent")
 
 POLL = 0.02
+OUTPUT_TIMEOUT = 10.0
+"""The longest the workers' lines wait to be sent; a report waits 2 s at most for them."""
 
 
 def node_address(master_url: str) -> str:
@@ -108,6 +112,10 @@ class Agent:
         self._round: RendezvousInfo | None = None
         """The round this node's workers run, while they do."""
         self.checkpoints: NodeCheckpoints | None = None
+        self.console: ConsoleBuffer | None = None
+        self._console_lock = asyncio.Lock()
+        self._restart_reason = ""
+        """Why the master restarted the workers: what the next round's logs are marked with."""
 
     async def run(self) -> int:
         reply = await self.client.call(
@@ -135,6 +143,8 @@ class Agent:
             log.error("cannot make this node's shared-memory directory", error=str(exc))
             return 1
         self.loop = asyncio.get_running_loop()
+        if spec.console:
+            self.console = ConsoleBuffer()
         try:
             if spec.checkpoint is not None:
                 self.checkpoints = NodeCheckpoints(spec.checkpoint, shm, self._checkpoint_event)
@@ -152,8 +162,10 @@ class Agent:
             spec.preload,
             spec.stop_grace,
             log_limits=LogLimits(spec.log_max_bytes, spec.log_keep),
+            console=self.console,
         )
         warming = asyncio.ensure_future(launcher.start())
+        forwarding = asyncio.ensure_future(self._forward_output())
         checked = not spec.diagnosis.preflight
         try:
             while True:
@@ -172,9 +184,12 @@ class Agent:
                 action = await self._run_round(launcher, joined.info, joined.directives, base_env)
                 if action.kind == "exit":
                     return 0
+                self._restart_reason = action.reason
         finally:
             warming.cancel()
+            forwarding.cancel()
             await launcher.close()
+            await self._flush_output(timeout=2.0)
             self.board.close()
             if self.checkpoints is not None:
                 await asyncio.to_thread(self.checkpoints.stop)
@@ -262,7 +277,14 @@ class Agent:
             CHAOS_ENV: worker_rules_env(spec.chaos),
             "PLANARIA_NODE_ID": self.node_id,
         }
-        logs = Path(spec.run_dir) / "logs"
+        logs = Path(spec.log_dir) if spec.log_dir else Path(spec.run_dir) / "logs"
+        header = b""
+        if restart_count > 0:  # a restart is marked in every log it appends to
+            at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            why = self._restart_reason or "the job restarted"
+            header = (
+                f"==== planaria: restart {restart_count} (round {info.round}) at {at}: {why} ====\n"
+            ).encode()
         checkpoints = self.checkpoints
         if checkpoints is not None and directives.persist_step is not None:
             # Persist at fault: pin the agreed step before workers can save over it.
@@ -283,6 +305,9 @@ class Agent:
                     ),
                 },
                 log_path=logs / f"rank-{info.rank_offset + lr}.log",
+                rank=info.rank_offset + lr,
+                console=console_streams(spec, lr),
+                header=header,
             )
             for lr in range(spec.procs_per_node)
         ]
@@ -385,8 +410,47 @@ class Agent:
         except Exception as exc:  # the master may be gone at the very end
             log.warning("cannot report checkpoint event", error=str(exc))
 
+    async def _forward_output(self) -> None:
+        """Send the workers' lines to the master's console every :data:`INTERVAL` seconds
+        (:mod:`planaria.agent.console`)."""
+        if self.console is None:
+            return
+        while True:
+            await asyncio.sleep(INTERVAL)
+            await self._flush_output()
+
+    async def _flush_output(self, timeout: float = OUTPUT_TIMEOUT) -> None:
+        """Send what the console has not had yet: before a report, so that a worker's last
+        lines (its traceback) are on the console before the job's end is. It gives up after
+        ``timeout`` seconds (a report never waits longer for the console); what it could not
+        send is counted as not shown."""
+        console = self.console
+        if console is None:
+            return
+        try:
+            await asyncio.wait_for(self._console_lock.acquire(), timeout)
+        except asyncio.TimeoutError:
+            return
+        try:
+            lines, dropped = console.take()
+            parts = batches(lines) or ([[]] if dropped else [])
+            for i, part in enumerate(parts):
+                report = WorkersOutput(node_id=self.node_id, lines=part, dropped=dropped)
+                try:
+                    await asyncio.wait_for(self.client.call("/output", report, Ack), timeout)
+                except BaseException as exc:  # lost for the console; they are in the logs
+                    console.give_back(sum(len(p) for p in parts[i:]) + dropped)
+                    if not isinstance(exc, Exception):
+                        raise
+                    log.debug("cannot forward the workers' output", error=str(exc))
+                    return
+                dropped = 0
+        finally:
+            self._console_lock.release()
+
     async def _report(self, state: _RoundState, result: GroupResult) -> None:
         state.reported = True
+        await self._flush_output(timeout=2.0)
         await self._flush_checkpoint_events()
         state.activity = "succeeded" if result.succeeded else "failed"
         failures = [
@@ -433,6 +497,7 @@ class Agent:
             time=f.time,
             log_tail=f.log_tail,
             description=f.describe(),
+            log_path=f.log_path or None,
         )
 
     def _beat(self, state: _RoundState, wait: bool) -> Heartbeat:
@@ -481,7 +546,7 @@ class Agent:
                 if not due:
                     continue
                 if rule.kind == "kill_node" and rule.node_rank == state.info.node_rank:
-                    await self._kill_self(rule)
+                    await self._kill_self(rule, top)
                 elif rule.kind == "kill_worker" and rule.rank in rank_range:
                     assert rule.rank is not None
                     rules.remove(rule)
@@ -504,9 +569,9 @@ class Agent:
         except PlanariaError as exc:
             log.error("could not report the hang", error=str(exc))
 
-    async def _kill_self(self, rule: ChaosRule) -> None:
+    async def _kill_self(self, rule: ChaosRule, step: int) -> None:
         log.warning("chaos: killing this node's agent", rule=rule.model_dump(mode="json"))
-        report = ChaosReport(node_id=self.node_id, rule=rule, time=time.time())
+        report = ChaosReport(node_id=self.node_id, rule=rule, time=time.time(), step=step)
         try:
             await asyncio.wait_for(self.client.call("/chaos", report, Ack), timeout=2)
         finally:

@@ -7,6 +7,13 @@ the oldest dropped), so a worker's output takes at most ``max_bytes * (keep + 1)
 the newest output is always kept. The thread only copies bytes, so a worker writes at pipe
 speed whatever the agent's event loop is doing; a write the disk refuses (full) is dropped and
 counted, never retried, so that a full disk cannot stop the pipe from draining.
+
+A pipe may also show on the console (:mod:`planaria.agent.console`): its :class:`Source` names
+the rank and the stream, and the thread hands what it copied to the console's buffer, which
+never blocks. A worker whose two streams go different ways (one kept off the console) writes
+them into two pipes that share its log; their lines are in the log in the order the thread
+reads them, which keeps each stream's order but may swap a stdout and a stderr line written
+within the same instant.
 """
 
 from __future__ import annotations
@@ -19,7 +26,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from planaria.agent.console import ConsoleBuffer
 from planaria.log import get_logger
+from planaria.protocol import Stream
 
 log = get_logger("agent.logs")
 
@@ -35,6 +44,21 @@ class LogLimits:
     """The most one log file holds before it is rotated."""
     keep: int = 3
     """Rotated files kept besides the current one."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """A pipe whose lines also go to the console: the worker's global rank, and which stream
+    the pipe carries (``output``: stdout and stderr both)."""
+
+    rank: int
+    stream: Stream = "output"
+
+
+@dataclass
+class _Pipe:
+    log: RotatingLog
+    source: Source | None
 
 
 class RotatingLog:
@@ -94,64 +118,76 @@ class RotatingLog:
 
 
 class LogPump:
-    """Copies the workers' pipes into their logs, on a thread of its own."""
+    """Copies the workers' pipes into their logs (and to the console), on a thread of its own."""
 
-    def __init__(self, limits: LogLimits) -> None:
+    def __init__(self, limits: LogLimits, console: ConsoleBuffer | None = None) -> None:
         self.limits = limits
-        self._logs: dict[int, RotatingLog] = {}  # read end -> its log
+        self.console = console
+        self._logs: dict[int, _Pipe] = {}  # read end -> its log
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="planaria-worker-logs", daemon=True)
         self._thread.start()
 
-    def pipe(self, path: Path) -> int:
-        """A new pipe whose output goes to ``path``; returns its write end (the caller
-        closes it once the worker holds it)."""
+    def pipe(self, path: Path, source: Source | None = None, header: bytes = b"") -> int:
+        """A new pipe whose output goes to ``path`` (and, with a ``source``, to the console);
+        returns its write end (the caller closes it once the worker holds it)."""
         read, write = os.pipe2(os.O_CLOEXEC)
         with contextlib.suppress(OSError):  # F_SETPIPE_SZ; a smaller buffer only waits more
             import fcntl
 
             fcntl.fcntl(write, 1031, PIPE_BYTES)
         try:
-            self.add(read, path)
+            self.add(read, path, source, header)
         except OSError:
             os.close(write)
             raise
         return write
 
-    def add(self, read: int, path: Path) -> None:
+    def add(self, read: int, path: Path, source: Source | None = None, header: bytes = b"") -> None:
         """Copy what comes out of ``read`` (a pipe's or FIFO's read end, now ours: closed
-        here if the log cannot be opened, with the ``OSError``) to ``path``."""
+        here if the log cannot be opened, with the ``OSError``) to ``path``, after ``header``
+        (a restart's mark). Pipes of one path share its log (and its cap)."""
+        with self._lock:
+            shared = next((p.log for p in self._logs.values() if p.log.path == path), None)
         try:
-            rotating = RotatingLog(path, self.limits)
+            rotating = shared or RotatingLog(path, self.limits)
         except OSError:
             os.close(read)
             raise
+        if header:
+            rotating.write(header)
         os.set_blocking(read, False)
         with self._lock:
-            self._logs[read] = rotating
+            self._logs[read] = _Pipe(rotating, source if self.console is not None else None)
         os.write(self._wake_w, b"x")
 
     def discard(self, read: int) -> None:
         """Stop copying ``read`` (a FIFO no worker opened) and close it."""
         with self._lock:
-            rotating = self._logs.pop(read, None)
-        if rotating is not None:
-            rotating.close()
-            os.close(read)
+            pipe = self._logs.pop(read, None)
+            if pipe is not None:
+                self._release(pipe)
+                os.close(read)
         os.write(self._wake_w, b"x")
 
     def drain(self, path: Path) -> None:
         """Copy what the pipes of ``path`` hold now: a worker that exited is all in its log
         before its tail is read."""
         with self._lock:
-            for fd, rotating in list(self._logs.items()):
-                if rotating.path == path:
-                    self._copy(fd, rotating)
+            for fd, pipe in list(self._logs.items()):
+                if pipe.log.path == path:
+                    self._copy(fd, pipe)
 
-    def _copy(self, fd: int, rotating: RotatingLog) -> None:
+    def _release(self, pipe: _Pipe) -> None:
+        """A pipe is gone (lock held): its log closes when no other pipe shares it."""
+        if all(other.log is not pipe.log for other in self._logs.values()):
+            pipe.log.close()
+
+    def _copy(self, fd: int, pipe: _Pipe) -> None:
         """Copy what ``fd`` holds (lock held); at its end, forget it."""
+        source, console = pipe.source, self.console
         while True:
             try:
                 data = os.read(fd, CHUNK)
@@ -160,11 +196,15 @@ class LogPump:
             except OSError:
                 data = b""
             if not data:  # every writer is gone
+                if source is not None and console is not None:
+                    console.end(fd, source.rank, source.stream)
                 self._logs.pop(fd, None)
-                rotating.close()
+                self._release(pipe)
                 os.close(fd)
                 return
-            rotating.write(data)
+            pipe.log.write(data)
+            if source is not None and console is not None:
+                console.feed(fd, source.rank, source.stream, data)
 
     def _run(self) -> None:
         poller = select.poll()
@@ -185,9 +225,9 @@ class LogPump:
                             pass
                     continue
                 with self._lock:
-                    rotating = self._logs.get(fd)
-                    if rotating is not None:
-                        self._copy(fd, rotating)
+                    pipe = self._logs.get(fd)
+                    if pipe is not None:
+                        self._copy(fd, pipe)
 
     def close(self) -> None:
         """Copy what is left, then stop; pipes still open are closed (their writers get
@@ -196,15 +236,16 @@ class LogPump:
         os.write(self._wake_w, b"x")
         self._thread.join()
         with self._lock:
-            for fd, rotating in list(self._logs.items()):
-                self._copy(fd, rotating)
+            for fd, pipe in list(self._logs.items()):
+                self._copy(fd, pipe)
                 if fd in self._logs:
                     self._logs.pop(fd)
-                    rotating.close()
+                    self._release(pipe)
                     os.close(fd)
         os.close(self._wake_r)
         os.close(self._wake_w)
 
     def dropped(self) -> int:
         with self._lock:
-            return sum(r.dropped for r in self._logs.values())
+            logs = {id(p.log): p.log for p in self._logs.values()}
+            return sum(rotating.dropped for rotating in logs.values())

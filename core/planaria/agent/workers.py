@@ -44,13 +44,14 @@ from typing import Any
 
 from planaria import leftovers, process
 from planaria.agent import zygote as _zygote
+from planaria.agent.console import ConsoleBuffer
 from planaria.agent.program import (
     PythonProgram,
     is_python,
     parse_python_command,
     same_interpreter,
 )
-from planaria.agent.worker_logs import LogLimits, LogPump
+from planaria.agent.worker_logs import LogLimits, LogPump, Source
 from planaria.capacity import shortfall
 from planaria.errors import PlanariaError
 from planaria.log import get_logger
@@ -80,6 +81,25 @@ class WorkerSpec:
     local_rank: int
     env: dict[str, str]  # the COMPLETE environment of the worker
     log_path: Path  # stdout+stderr are appended here (parents created, file mode 0600)
+    rank: int = -1
+    """The global rank, which prefixes its console lines; -1: the local rank."""
+    console: int = 0
+    """Streams shown on the console: 1 stdout, 2 stderr, 3 both (:mod:`planaria.agent.console`)."""
+    header: bytes = b""
+    """Written into the log before the worker's output (a restart's mark)."""
+
+    def sources(self) -> tuple[Source | None, Source | None] | Source | None:
+        """The console sources of its pipes: one for a shared pipe (both streams go the same
+        way), or a pair (stdout's, stderr's) when only one of them shows."""
+        rank = self.rank if self.rank >= 0 else self.local_rank
+        if self.console == 3:
+            return Source(rank)
+        if self.console == 0:
+            return None
+        return (
+            Source(rank, "stdout") if self.console & 1 else None,
+            Source(rank, "stderr") if self.console & 2 else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -91,6 +111,7 @@ class WorkerExit:
     time: float  # time.time() when the exit was seen
     log_tail: str  # the last lines (<= 40 lines, <= 8 KiB) of its log
     stopped: bool = False  # the agent had asked it to stop (stop(), or a sibling failed)
+    log_path: str = ""  # the log that holds its output
 
     @property
     def ok(self) -> bool:
@@ -174,7 +195,9 @@ class _Worker:
         tail = read_log_tail(self.spec.log_path, since=self.log_start)
         rank, stopped = self.spec.local_rank, self.stopping
         self.future.set_result(
-            WorkerExit(rank, self.pid, exitcode, sig, time.time(), tail, stopped)
+            WorkerExit(
+                rank, self.pid, exitcode, sig, time.time(), tail, stopped, str(self.spec.log_path)
+            )
         )
 
 
@@ -340,14 +363,24 @@ class _ZygoteClient:
             raise WorkerSpawnError("the zygote is not running")
         loop, workers, futures = asyncio.get_running_loop(), [], []
         pump, fifos, reads, holds = self.launcher.pump(), [], [], []
+        mains: list[Path] = []
+        errs: list[Path | None] = []
         try:  # every log opens before any worker starts
             for spec in specs:
-                fifos.append(self.launcher.fifo(next(self._ids)))
-                read = os.open(fifos[-1], os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-                # Held open until the worker has its own: no end of file before it writes.
-                holds.append(os.open(fifos[-1], os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC))
-                pump.add(read, spec.log_path)
-                reads.append(read)
+                rid, sources = next(self._ids), spec.sources()
+                pair = sources if isinstance(sources, tuple) else (sources,)
+                names = [str(rid), f"{rid}-stderr"][: len(pair)]
+                header = spec.header
+                for name, source in zip(names, pair, strict=True):
+                    fifos.append(self.launcher.fifo(name))
+                    read = os.open(fifos[-1], os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+                    # Held open until the worker has its own: no end of file before it writes.
+                    holds.append(os.open(fifos[-1], os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+                    pump.add(read, spec.log_path, source, header)
+                    header = b""
+                    reads.append(read)
+                mains.append(fifos[-len(pair)])
+                errs.append(fifos[-1] if len(pair) == 2 else None)
         except OSError as exc:
             for hold in holds:
                 os.close(hold)
@@ -358,13 +391,15 @@ class _ZygoteClient:
                 with contextlib.suppress(OSError):
                     os.unlink(fifo)
             raise WorkerSpawnError(f"cannot open the workers' log: {exc}") from exc
-        for spec, fifo in zip(specs, fifos, strict=True):
+        for spec, fifo, err in zip(specs, mains, errs, strict=True):
             rid, worker, fut = int(fifo.name), _Worker(spec, pump), loop.create_future()
             self._pending[rid] = (worker, fut)
             workers.append(worker)
             futures.append(fut)
             req = {"op": "spawn", "id": rid, "local_rank": spec.local_rank, "env": spec.env}
             req["log_path"] = str(fifo)
+            if err is not None:
+                req["err_path"] = str(err)
             self._writer.write(json.dumps(req).encode() + b"\n")
         with contextlib.suppress(OSError):  # if the zygote died, _lost() fails the futures
             await self._writer.drain()
@@ -420,6 +455,7 @@ class WorkerLauncher:
         use_zygote: bool = True,
         start_timeout: float = 120.0,
         log_limits: LogLimits | None = None,
+        console: ConsoleBuffer | None = None,
     ) -> None:
         if not command:
             raise ValueError("the worker command is empty")
@@ -449,13 +485,15 @@ class WorkerLauncher:
         self._swept = True  # no group ran since the last sweep
         self._sweeping = asyncio.Lock()
         self.log_limits = log_limits or LogLimits()
+        self.console = console
+        """Where lines for the console go (:mod:`planaria.agent.console`); None: nowhere."""
         self._pump: LogPump | None = None
         self._fifos: Path | None = None
 
     def pump(self) -> LogPump:
         """The thread that copies the workers' output into their logs (started once)."""
         if self._pump is None:
-            self._pump = LogPump(self.log_limits)
+            self._pump = LogPump(self.log_limits, self.console)
         return self._pump
 
     def fifo(self, name: object) -> Path:
@@ -583,15 +621,26 @@ class WorkerLauncher:
         pump = self.pump()
         try:
             for spec in specs:
-                worker = _Worker(spec, pump)
-                fd = pump.pipe(spec.log_path)
+                sources = spec.sources()
+                if isinstance(sources, tuple):  # one stream shows, the other does not
+                    fd = pump.pipe(spec.log_path, sources[0], spec.header)
+                    try:
+                        err = pump.pipe(spec.log_path, sources[1])
+                    except OSError:
+                        os.close(fd)
+                        raise
+                else:
+                    fd, err = pump.pipe(spec.log_path, sources, spec.header), -1
+                worker = _Worker(spec, pump)  # its output starts after the header
                 try:  # this forks in the event loop's thread: see the module's docstring
                     proc = await process.spawn(
-                        argv, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
-                        cwd=self.cwd, env=spec.env,
+                        argv, stdin=subprocess.DEVNULL, stdout=fd,
+                        stderr=subprocess.STDOUT if err < 0 else err, cwd=self.cwd, env=spec.env,
                     )  # fmt: skip
                 finally:
                     os.close(fd)
+                    if err >= 0:
+                        os.close(err)
                 worker.pid = proc.pid
                 worker.watcher = asyncio.ensure_future(self._watch(worker, proc))
                 workers.append(worker)

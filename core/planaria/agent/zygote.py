@@ -9,9 +9,10 @@ it, minus the imports already done, and shows in ``ps`` as that command. The zyg
 children and reports their exits; it never runs user code itself, so it stays pristine for the
 next spawn.
 
-Agent -> zygote: ``{"op": "spawn", "id", "local_rank", "env", "log_path"}``, ``{"op":
-"shutdown"}`` (or EOF: it then SIGKILLs its children). Zygote -> agent: ``ready``, ``spawned
-{id, pid}``, ``error {id, error}``, ``exited {id, pid, exitcode, signal}``.
+Agent -> zygote: ``{"op": "spawn", "id", "local_rank", "env", "log_path"[, "err_path"]}``
+(stderr goes to ``err_path`` when given, else with stdout), ``{"op": "shutdown"}`` (or EOF: it
+then SIGKILLs its children). Zygote -> agent: ``ready``, ``spawned {id, pid}``, ``error {id,
+error}``, ``exited {id, pid, exitcode, signal}``.
 
 Standard library only (and setproctitle's C function, where installed): the zygote loads this
 file by path, without the ``planaria`` package, so that the workers' ``sys.modules`` stays close
@@ -130,10 +131,11 @@ def _child(config: Mapping[str, Any], req: Mapping[str, Any], handshake: int) ->
             devnull = os.open(os.devnull, os.O_RDONLY)
             flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
             log = os.open(req["log_path"], flags, 0o600)
-            for fd, target in ((devnull, 0), (log, 1), (log, 2)):
+            err = os.open(req["err_path"], flags, 0o600) if req.get("err_path") else log
+            for fd, target in ((devnull, 0), (log, 1), (err, 2)):
                 os.dup2(fd, target)
-            os.close(devnull)
-            os.close(log)
+            for fd in {devnull, log, err}:
+                os.close(fd)
             os.chdir(config["cwd"])
             os.environ.clear()
             os.environ.update(req["env"])

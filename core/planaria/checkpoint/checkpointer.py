@@ -34,11 +34,11 @@ from planaria.checkpoint.env import (
 )
 from planaria.checkpoint.layout import Layout, TensorEntry, dtype_of, plan, rebuild
 from planaria.checkpoint.persisted import Manifest, PersistedCheckpoints, ShardRecord
-from planaria.checkpoint.persister import SOCKET_DIR_PREFIX
+from planaria.checkpoint.persister import SOCKET_DIR_KIND
 from planaria.checkpoint.segment import SHM_DIR, SLOTS, Segment, SegmentBusyError, SegmentError
 from planaria.errors import CheckpointCorruptError, CheckpointRestoreError, StorageError
 from planaria.log import get_logger
-from planaria.shm import make_temp_dir, remove_dir
+from planaria.shm import make_temp_dir, name_prefix, remove_dir
 
 log = get_logger("checkpoint")
 
@@ -171,7 +171,7 @@ class Checkpointer:
         else:
             # A fresh private directory with an unpredictable name: nobody else can put a
             # link or a file where this process will write.
-            self._private = make_temp_dir(SOCKET_DIR_PREFIX, SHM_DIR)
+            self._private = make_temp_dir(name_prefix() + SOCKET_DIR_KIND, SHM_DIR)
             self.segment_path = self._private / f"rank-{self.rank}.ckpt"
             atexit.register(self.close)
 

@@ -56,13 +56,14 @@ from planaria.checkpoint.persisted import PersistedCheckpoints
 from planaria.checkpoint.segment import Segment, SlotInfo, remove_segments
 from planaria.errors import PlanariaError
 from planaria.log import configure, get_logger
-from planaria.shm import remove_dir
+from planaria.shm import name_prefix, remove_dir
 
 log = get_logger("persister")
 
-SOCKET_DIR_PREFIX = "planaria-ckpt-"
+SOCKET_DIR_KIND = "ckpt-"
 """A standalone trainer's segment and persister socket live in a private directory in /dev/shm
-named so; the persister removes it when it exits, also when the trainer was killed."""
+named :func:`planaria.shm.name_prefix` then this; the persister removes it when it exits, also
+when the trainer was killed."""
 
 STOP_GRACE = 5.0
 """At exit, how long steps still waiting for another rank's shard may wait, all together."""
@@ -464,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         args.socket.unlink()
     if args.remove_segments:
         remove_segments(args.remove_segments)
-    if args.socket.parent.name.startswith(SOCKET_DIR_PREFIX):  # a standalone trainer's
+    if args.socket.parent.name.startswith(name_prefix() + SOCKET_DIR_KIND):  # a standalone's
         remove_dir(args.socket.parent)
     return 0
 

@@ -22,6 +22,7 @@ from planaria.cli.app import EXIT_USAGE, app
 from planaria.cli.output import error
 from planaria.errors import PlanariaError
 from planaria.plugin.records import PluginKind, normalize_name
+from planaria.scheduler.api import SchedulerRecord
 
 
 def _scheduler_commands(argv: list[str]) -> None:
@@ -36,8 +37,17 @@ def _scheduler_commands(argv: list[str]) -> None:
         return
     from planaria.plugin.manager import PluginManager
 
-    records = PluginManager.from_entry_points().records(PluginKind.SCHEDULER)
-    record = records.get(normalize_name(name))
+    manager = PluginManager.from_entry_points()
+    key = normalize_name(name)
+    record = manager.records(PluginKind.SCHEDULER).get(key)
+    if record is None and key in SchedulerRecord.well_known_commands:
+        # Not installed, blocked or broken: resolve says which, and what to install.
+        try:
+            manager.resolve(PluginKind.SCHEDULER, name)
+        except PlanariaError as exc:
+            raise PlanariaError(
+                f"'planaria {name}' comes with the {name} scheduler: {exc}"
+            ) from None
     commands = getattr(record, "commands", None)
     if commands is not None:
         app.add_typer(commands, name=name)

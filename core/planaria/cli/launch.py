@@ -28,7 +28,7 @@ from typer.core import TyperCommand
 
 from planaria.agent.program import is_python
 from planaria.config import RawConfig
-from planaria.config.models import MAX_PROCS_PER_NODE, JobSection, NodeRange
+from planaria.config.models import MAX_PROCS_PER_NODE, JobSection, LogsSection, NodeRange
 
 CONFIG_SUFFIXES = (".yaml", ".yml", ".toml")
 """A first word ending so is the job file, not a training script."""
@@ -40,11 +40,6 @@ UNSUPPORTED = {
     "--start-method": "workers start from a warm interpreter, or are exec'd",
     "--role": "a job has one role",
     "--run-path": "workers are separate processes, restarted in place",
-    "--redirects": "every worker's output goes to the run's logs/ directory",
-    "-r": "every worker's output goes to the run's logs/ directory",
-    "--tee": "every worker's output goes to the run's logs/ directory",
-    "-t": "every worker's output goes to the run's logs/ directory",
-    "--local-ranks-filter": "every worker's output goes to the run's logs/ directory",
     "--local-addr": "a node's address comes from the scheduler (set master.advertise for the "
     "master's)",
     "--logs-specs": "logs are the run's logs/ directory",
@@ -235,7 +230,61 @@ LogDirOption = Annotated[
     Optional[str],  # noqa: UP045
     typer.Option(
         *_spellings("--log-dir"),
-        help="where each run gets its directory of logs and events (job.run_dir)",
+        help="where each run gets a folder of its workers' logs (job.logs.dir)",
+        show_default=False,
+    ),
+]
+
+
+def _streams(value: str | None) -> str | None:
+    if value is not None:
+        try:
+            LogsSection.model_validate({"redirects": value})
+        except ValidationError as exc:
+            raise typer.BadParameter(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
+    return value
+
+
+def _ranks(value: str | None) -> str | None:
+    if value is not None:
+        try:
+            LogsSection.model_validate({"local_ranks_filter": value})
+        except ValidationError as exc:
+            raise typer.BadParameter(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
+    return value
+
+
+RedirectsOption = Annotated[
+    Optional[str],  # noqa: UP045
+    typer.Option(
+        "-r",
+        *_spellings("--redirects"),
+        metavar="0-3|RANK:0-3,...",
+        callback=_streams,
+        help="keep stdout (1), stderr (2) or both (3) off the console, in the log only; for "
+        "every local rank or per local rank, e.g. 0:1,1:2 (job.logs.redirects)",
+        show_default=False,
+    ),
+]
+TeeOption = Annotated[
+    Optional[str],  # noqa: UP045
+    typer.Option(
+        "-t",
+        "--tee",
+        metavar="0-3|RANK:0-3,...",
+        callback=_streams,
+        help="show these streams on the console although redirected; the log has them "
+        "anyway (job.logs.tee)",
+        show_default=False,
+    ),
+]
+LocalRanksFilterOption = Annotated[
+    Optional[str],  # noqa: UP045
+    typer.Option(
+        *_spellings("--local-ranks-filter"),
+        metavar="RANK,...",
+        callback=_ranks,
+        help="show only these local ranks' output on the console (job.logs.local_ranks_filter)",
         show_default=False,
     ),
 ]
@@ -316,6 +365,9 @@ class TorchrunFlags:
     master_addr: str | None = None
     master_port: int | None = None
     log_dir: str | None = None
+    redirects: str | None = None
+    tee: str | None = None
+    local_ranks_filter: str | None = None
     shutdown_timeout: float | None = None
     module: bool = False
     no_python: bool = False
@@ -331,12 +383,21 @@ class TorchrunFlags:
             else resolve_nproc(self.nproc_per_node),
             ("job", "max_restarts"): self.max_restarts,
             ("job", "name"): self.rdzv_id,
-            ("job", "run_dir"): self.log_dir,
             ("job", "stop_grace"): self.shutdown_timeout,
             ("master", "host"): self.master_addr,
             ("master", "port"): self.master_port,
         }
         return {path: value for path, value in fields.items() if value is not None}
+
+    def log_overrides(self) -> dict[str, Any]:
+        """The fields of ``job.logs`` they override."""
+        fields = {
+            "dir": self.log_dir,
+            "redirects": self.redirects,
+            "tee": self.tee,
+            "local_ranks_filter": self.local_ranks_filter,
+        }
+        return {key: value for key, value in fields.items() if value is not None}
 
     def apply(self, raw: RawConfig) -> None:
         """Override the job file's fields (a section that is not a mapping is left for
@@ -345,6 +406,12 @@ class TorchrunFlags:
             node = raw.data.setdefault(section, {})
             if isinstance(node, dict):
                 node[key] = value
+        logs = self.log_overrides()
+        job = raw.data.setdefault("job", {}) if logs else None
+        if isinstance(job, dict):
+            node = job.setdefault("logs", {})
+            if isinstance(node, dict):
+                node.update(logs)
 
 
 class LaunchError(ValueError):

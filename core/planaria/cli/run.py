@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import os
 import signal
+import textwrap
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -16,10 +17,12 @@ from rich.table import Table
 from rich.text import Text
 
 from planaria import log
+from planaria.agent.console import prefix
 from planaria.cli.app import EXIT_USAGE, ConfigOption, SetOption, app, configure_logging
 from planaria.cli.launch import (
     META_LITERAL,
     LaunchError,
+    LocalRanksFilterOption,
     LogDirOption,
     MasterAddrOption,
     MasterPortOption,
@@ -33,9 +36,11 @@ from planaria.cli.launch import (
     RdzvBackendOption,
     RdzvEndpointOption,
     RdzvIdOption,
+    RedirectsOption,
     RunCommand,
     ShutdownOption,
     StandaloneOption,
+    TeeOption,
     TorchrunFlags,
     training_command,
 )
@@ -45,6 +50,7 @@ from planaria.config import ResolvedConfig, load_raw, read
 from planaria.diagnosis.preflight import PreflightReport
 from planaria.errors import ConfigError
 from planaria.events import EventKind, JobEvent
+from planaria.master.advertise import Advertised
 from planaria.master.diagnosis import stopped_on_start
 from planaria.master.job import Master
 from planaria.master.journal import JournalError
@@ -59,7 +65,7 @@ from planaria.master.timeline import (
     summary_rows,
 )
 from planaria.plugin.manager import PluginManager
-from planaria.protocol import FINGERPRINT_ENV, MASTER_ENV, TOKEN_ENV, JobSpec
+from planaria.protocol import FINGERPRINT_ENV, MASTER_ENV, TOKEN_ENV, JobSpec, WorkersOutput
 
 EVENT_STYLE = {
     EventKind.FAULT_DETECTED: "bold red",
@@ -100,12 +106,12 @@ def _prepare(
 def _status_table(master: Master) -> Table:
     status = master.status()
     table = Table(title=f"{status.job} - {status.state}", expand=False)
-    for column in ("round", "step", "restarts", "nodes"):
+    for column in ("round", "steps done", "restarts", "nodes"):  # counted as the summary counts
         table.add_column(column)
     up = sum(1 for n in status.nodes if n.node_rank is not None and n.state == "running")
     table.add_row(
         str(status.round),
-        str(max(status.step, 0)),
+        str(status.steps_done),
         f"{status.restarts}/{status.max_restarts}",
         f"{up} running / {len(status.nodes)} known",
     )
@@ -118,6 +124,20 @@ def _print_event(event: JobEvent) -> None:
     style = EVENT_STYLE.get(event.kind)
     text = f"{log.timestamp(event.time)} {event.kind.value:<22} {event.message}"
     out.print(f"[{style}]{text}[/]" if style else text, markup=bool(style), highlight=False)
+
+
+def _print_output(report: WorkersOutput) -> None:
+    """The workers' lines, each with its rank's prefix, in one write: lines stay whole among
+    the event lines (:mod:`planaria.agent.console`)."""
+    text = "\n".join(prefix(line.rank) + line.text for line in report.lines)
+    if report.dropped:
+        note = (
+            f"planaria: {report.dropped} line(s) of node {report.node_id}'s workers not shown "
+            "(the console could not keep up); the logs have them"
+        )
+        text = f"{text}\n{note}" if text else note
+    # Text, not markup; no folding: a long line is one line, as the worker wrote it.
+    out.print(Text(text), highlight=False, soft_wrap=True)
 
 
 def _print_table(table: Table) -> None:
@@ -158,7 +178,13 @@ def print_summary(summary: Summary, run_dir: Path) -> None:
         _print_table(part)
     if summary.preflight is not None:
         print_preflight(summary.preflight)
-    out.print(f"timeline: {run_dir / 'events.jsonl'}\nlogs: {run_dir / 'logs'}")
+    failed = summary.failed_rank
+    if failed is not None and failed.tail:
+        where = f" ({failed.log})" if failed.log else ""
+        out.print(Text(f"last lines of rank {failed.rank}{where}:", "bold red"))
+        out.print(Text(textwrap.indent(failed.tail, "  ")), highlight=False, soft_wrap=True)
+    logs = Path(failed.log).parent if failed is not None and failed.log else run_dir / "logs"
+    out.print(f"timeline: {run_dir / 'events.jsonl'}\nlogs: {logs}", markup=False)
 
 
 def preflight_line(report: PreflightReport) -> str:
@@ -213,7 +239,23 @@ def _started(spec: JobSpec, url: str) -> None:
     out.print(f"planaria: job {spec.job} (run {spec.run_id}), master at {url}")
 
 
-HOOKS = RunHooks(on_event=_print_event, on_start=_started, on_warning=warning, follow=_follow)
+def _advertised(advertised: Advertised) -> None:
+    out.print(
+        f"planaria: agents are told the master is at {advertised.address}: "
+        f"{advertised.why} (master.host binds every interface; set master.advertise to "
+        "choose)",
+        markup=False,
+    )
+
+
+HOOKS = RunHooks(
+    on_event=_print_event,
+    on_start=_started,
+    on_warning=warning,
+    on_advertise=_advertised,
+    follow=_follow,
+    on_output=_print_output,
+)
 
 
 Command = Annotated[
@@ -273,6 +315,9 @@ def run_command(
     master_addr: MasterAddrOption = None,
     master_port: MasterPortOption = None,
     log_dir: LogDirOption = None,
+    redirects: RedirectsOption = None,
+    tee: TeeOption = None,
+    local_ranks_filter: LocalRanksFilterOption = None,
     shutdown_timeout: ShutdownOption = None,
     monitor_interval: MonitorOption = None,
     module: ModuleOption = False,
@@ -301,6 +346,9 @@ def run_command(
         master_addr=master_addr,
         master_port=master_port,
         log_dir=log_dir,
+        redirects=redirects,
+        tee=tee,
+        local_ranks_filter=local_ranks_filter,
         shutdown_timeout=shutdown_timeout,
         module=module,
         no_python=no_python,

@@ -32,8 +32,8 @@ def status_command(
     events: Annotated[int, typer.Option("--events", help="recent events to show")] = 10,
     json_: JsonOption = False,
 ) -> None:
-    """Show a job's state: its nodes (id, host, state, rank, step), round, step and recent
-    events; asked of its master while it runs, read from RUN_DIR once it is over.
+    """Show a job's state: its nodes (id, host, state, rank, last step), round, steps done
+    and recent events; asked of its master while it runs, read from RUN_DIR once it is over.
 
     Exit 2 when RUN_DIR is not a run directory or the master cannot be asked.
     """
@@ -44,18 +44,22 @@ def status_command(
         print_json(job.as_json())
         return
     status = job.status
+    # A count, then the last step's number: a script numbering its steps from 0 has done 120
+    # at step 119.
+    last = f" (last step {status.step})" if status.step >= 0 else ""
     over = "" if job.running else " (over)" if status.state in ("succeeded", "failed") else ""
     out.print(
         Text(
             f"{status.job} (run {status.run_id}): {status.state}{over}, round {status.round}, "
-            f"step {max(status.step, 0)}, restarts {status.restarts}/{status.max_restarts}"
+            f"steps done {status.steps_done}{last}, "
+            f"restarts {status.restarts}/{status.max_restarts}"
         )
     )
     if status.reason:
         out.print(Text(status.reason))
     out.print(Text(f"from {job.source}", "dim"))
     table = Table(title="nodes")
-    for column in ("node", "host", "state", "rank", "step"):
+    for column in ("node", "host", "state", "rank", "last step"):
         table.add_column(column)
     for node in status.nodes:
         rank = "-" if node.node_rank is None else str(node.node_rank)

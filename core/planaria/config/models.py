@@ -164,10 +164,66 @@ def _arg_max() -> int | None:
     return limit if limit > 0 else None
 
 
+STREAMS = {0: "neither", 1: "stdout", 2: "stderr", 3: "both"}
+"""torchrun's stream numbers for ``--redirects`` and ``--tee``."""
+
+
+def parse_streams(value: Any) -> Any:
+    """torchrun's ``--redirects``/``--tee`` value: ``3`` (every local rank), or a map of local
+    ranks, ``"0:1,1:2"`` (ranks not named: 0), also written as a mapping."""
+    if isinstance(value, bool):
+        raise ValueError("expected 0-3 or a map of local ranks like '0:1,1:2'")
+    if isinstance(value, str):
+        text = value.strip()
+        if ":" not in text:
+            if not text.isdecimal():
+                raise ValueError(f"{value!r}: expected 0-3 or a map of local ranks like '0:1,1:2'")
+            return int(text)
+        out: dict[int, int] = {}
+        for part in text.split(","):
+            rank, sep, streams = part.strip().partition(":")
+            if not (sep and rank.strip().isdecimal() and streams.strip().isdecimal()):
+                raise ValueError(f"{part.strip()!r} in {value!r}: expected LOCAL_RANK:STREAMS")
+            out[int(rank)] = int(streams)
+        return out
+    return value
+
+
+def parse_ranks(value: Any) -> Any:
+    """``"0,1"`` as torchrun's ``--local-ranks-filter`` takes it, or a list."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, str):
+        parts = [p.strip() for p in value.split(",") if p.strip()]
+        if not all(p.isdecimal() for p in parts):
+            raise ValueError(f"{value!r}: expected local ranks like '0,1'")
+        return [int(p) for p in parts]
+    return value
+
+
+StreamsValue = int | dict[int, int]
+
+
+def _check_streams(value: StreamsValue) -> StreamsValue:
+    values = value.values() if isinstance(value, dict) else [value]
+    for v in values:
+        if v not in STREAMS:
+            raise ValueError(f"{v}: streams are 0 (neither), 1 (stdout), 2 (stderr) or 3 (both)")
+    if isinstance(value, dict) and any(rank < 0 for rank in value):
+        raise ValueError("local ranks are 0 or more")
+    return value
+
+
 class LogsSection(Section):
-    """The cap on each worker's log (``logs/rank-N.log``): past ``max_bytes`` it is rotated to
-    ``rank-N.log.1`` ... ``rank-N.log.<keep>``, the oldest dropped, so a worker's output takes
-    at most ``max_bytes * (keep + 1)`` on disk."""
+    """Where each worker's output goes: its log (``logs/rank-N.log``), capped, and the
+    ``planaria run`` console.
+
+    The log is capped: past ``max_bytes`` it is rotated to ``rank-N.log.1`` ...
+    ``rank-N.log.<keep>``, the oldest dropped, so a worker's output takes at most ``max_bytes
+    * (keep + 1)`` on disk. Every line also shows on the console, prefixed ``[rankN]:``, as
+    torchrun shows it, unless ``console`` is off, ``redirects`` keeps a stream off it (``tee``
+    puts it back, as torchrun's does) or ``local_ranks_filter`` leaves the rank out. A log
+    always holds both streams."""
 
     max_bytes: ByteSize = Field(
         default=ByteSize(100 << 20),
@@ -175,6 +231,51 @@ class LogsSection(Section):
         description="the most one worker log file holds before it is rotated (e.g. 100MiB)",
     )
     keep: int = Field(default=3, ge=0, le=1000, description="rotated files kept per worker")
+    dir: Path | None = Field(
+        default=None,
+        description="where the worker logs go, in a folder per run (torchrun's --log-dir); "
+        "default: the run's logs/ folder",
+    )
+    console: bool = Field(
+        default=True, description="show the workers' output on the planaria run console"
+    )
+    redirects: StreamsValue = Field(
+        default=0,
+        description="streams kept off the console, only in the log: 0-3 (1 stdout, 2 stderr, "
+        "3 both) or per local rank, e.g. '0:1,1:2' (torchrun's --redirects)",
+    )
+    tee: StreamsValue = Field(
+        default=0,
+        description="streams shown on the console although redirected, as redirects takes "
+        "them (torchrun's --tee)",
+    )
+    local_ranks_filter: list[int] | None = Field(
+        default=None,
+        description="only these local ranks on the console, e.g. '0,1' (torchrun's "
+        "--local-ranks-filter); default: all",
+    )
+
+    @field_validator("redirects", "tee", mode="before")
+    @classmethod
+    def _streams(cls, value: Any) -> Any:
+        return parse_streams(value)
+
+    @field_validator("redirects", "tee")
+    @classmethod
+    def _streams_range(cls, value: StreamsValue) -> StreamsValue:
+        return _check_streams(value)
+
+    @field_validator("local_ranks_filter", mode="before")
+    @classmethod
+    def _ranks(cls, value: Any) -> Any:
+        return parse_ranks(value)
+
+    @field_validator("local_ranks_filter")
+    @classmethod
+    def _ranks_range(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(rank < 0 for rank in value):
+            raise ValueError("local ranks are 0 or more")
+        return value
 
 
 class JobSection(Section):
@@ -461,7 +562,11 @@ class MasterSection(Section):
     host: str = Field(default="127.0.0.1", description="address the master's API binds")
     port: int = Field(default=0, ge=0, le=65535, description="0: any free port")
     advertise: str | None = Field(
-        default=None, description="address agents use to reach the master (default: host)"
+        default=None,
+        description="address or name agents use to reach the master (default: host; for a "
+        "host that binds every interface, 0.0.0.0 or ::, the master chooses one: "
+        "$PLANARIA_MASTER_ADVERTISE, else the address it reaches the nodes' machines from, "
+        "else its default route's, else its name, and says which)",
     )
     tls: bool | None = Field(
         default=None,

@@ -59,9 +59,19 @@ class JobControl(Protocol):
         ...
 
     def emit(
-        self, payload: Payload, message: str, *, node: str | None = None, rank: int | None = None
+        self,
+        payload: Payload,
+        message: str,
+        *,
+        node: str | None = None,
+        rank: int | None = None,
+        step: int | None = None,
     ) -> JobEvent:
         """Put an event in the job's timeline (and before its observers)."""
+        ...
+
+    def saw_step(self, step: int) -> None:
+        """Some report told of ``step``: training got at least that far."""
         ...
 
     def report_fault(

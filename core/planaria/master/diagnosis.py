@@ -23,7 +23,7 @@ from planaria.log import get_logger
 from planaria.master.control import JobControl
 from planaria.master.policy import CANNOT_START, Crash, Decision, FaultType, Source
 from planaria.master.state import Node
-from planaria.master.timeline import Fault, Summary
+from planaria.master.timeline import FailedRank, Fault, Summary, tail_of
 from planaria.protocol import ChaosReport, Heartbeat, WorkerFailure, WorkersReport
 
 log = get_logger("master.diagnosis")
@@ -76,6 +76,8 @@ class Diagnosis:
         self._times_round = -1
         self._times_changed = False
         self._checked_at = -float("inf")
+        self.failed_rank: FailedRank | None = None
+        """The last worker failure that drove a fault: the summary of a failed job shows it."""
 
     # -- worker faults ----------------------------------------------------------------------
 
@@ -112,6 +114,13 @@ class Diagnosis:
             )
         if not current and verdict.kind is not FaultClass.NODE and not crashes:
             return
+        self.failed_rank = FailedRank(
+            rank=failure.rank,
+            node=node.node_id,
+            description=failure.description,
+            log=failure.log_path or "",
+            tail=tail_of(failure.start_error or failure.log_tail),
+        )
         if not current and verdict.kind is FaultClass.NODE:
             log.warning("node fault found after the restart", node=node.node_id, round=report.round)
         fault = Fault(
@@ -156,11 +165,16 @@ class Diagnosis:
 
     def chaos(self, report: ChaosReport) -> None:
         """A fault injected on purpose is about to fire: the timeline says so first."""
-        self.job.heard_from(report.node_id)  # a node the job knows, as for every report
+        node = self.job.heard_from(report.node_id)  # a node the job knows, as for every report
+        # The step it fired at: a node killed now is lost there, not at its last heartbeat's.
+        node.step = max(node.step, report.step)
+        self.job.saw_step(report.step)
+        at = f" at step {report.step}" if report.step >= 0 else ""
         self.job.emit(
             events.FaultDetected(fault="chaos", rule=report.rule.model_dump(mode="json")),
-            f"chaos: {report.rule.kind} on node {report.node_id}",
+            f"chaos: {report.rule.kind} on node {report.node_id}{at}",
             node=report.node_id,
+            step=report.step if report.step >= 0 else None,
         )
 
     # -- hangs ------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ from planaria.master.state import (
     UnknownNode,
     Wake,
 )
-from planaria.master.timeline import Fault, Summary, Timeline, last_steps
+from planaria.master.timeline import FailedRank, Fault, Summary, Timeline, last_steps
 from planaria.protocol import (
     Action,
     CheckpointEvent,
@@ -62,6 +62,7 @@ from planaria.protocol import (
     RegisterRequest,
     RendezvousInfo,
     RoundDirectives,
+    WorkersOutput,
     WorkersReport,
 )
 from planaria.scheduler.api import LaunchSpec, NodeEvent, NodeHandle, NodeState, Scheduler
@@ -106,6 +107,8 @@ class Master:
             procs_per_node=self.spec.procs_per_node,
         )
         self.timeline = Timeline(run_dir / "events.jsonl", self.spec.job, observer or _ignore)
+        self.on_output: Callable[[WorkersOutput], None] = lambda report: None
+        """Where the workers' lines go (``planaria run`` prints them)."""
         self.fleet = Fleet(
             scheduler, self.timeline, self.spec.heartbeat_interval, self.spec.heartbeat_timeout
         )
@@ -115,6 +118,11 @@ class Master:
         """The number of the first step the job's workers reported: steps are counted from
         it, so a script that numbers them from 1 (or from a step restored from an earlier
         run) does not get one more than it did."""
+        self.last_step = -1
+        """The highest step anything told of: heartbeats, joins, the workers' reports and
+        checkpoint events (a step checkpointed is a step done, even when the heartbeat that
+        would have said so never came, as when the job is stopped). Unlike a node's step it
+        never goes back: a new round starts the nodes' steps afresh. Steps done count to it."""
         self.finished_at: float | None = None
         self._round_settled = Wake()
         """Set when the forming round closes, is superseded or the job ends."""
@@ -247,6 +255,7 @@ class Master:
             self.recovery.restore(parts["recovery"])
         with damaged(path, "part 'checkpoints'"):
             self.checkpoints.restore(parts["checkpoints"])
+        self.saw_step(self.checkpoints.committed_step)
         with damaged(path, "part 'fence'"):
             self.fence.generation = int(parts["fence"])
         for node_id, raw in journalled.handles.items():
@@ -263,6 +272,7 @@ class Master:
             node.attached = node.phase in (NodePhase.LAUNCHED,) or node.phase.gone
             node.last_seen = now
             node.step = steps.get(node.node_id, -1)
+            self.saw_step(node.step)
             self.fleet.add(node)
         if self.state is JobState.RENDEZVOUS:  # re-formed from the joins that come now
             self._round_settled = Wake()
@@ -295,6 +305,7 @@ class Master:
         node.last_seen = time.monotonic()
         node.memory = list(request.memory)
         node.step = max(node.step, request.last_step)
+        self.saw_step(request.last_step)
         if node.node_id in self._reattached:  # a retry (its answer was lost): told already
             return ReattachReply(state="continue")
         self._reattached.add(node.node_id)
@@ -389,9 +400,15 @@ class Master:
         return self.fleet.replacing() > 0
 
     def emit(
-        self, payload: Payload, message: str, *, node: str | None = None, rank: int | None = None
+        self,
+        payload: Payload,
+        message: str,
+        *,
+        node: str | None = None,
+        rank: int | None = None,
+        step: int | None = None,
     ) -> JobEvent:
-        return self.timeline.emit(payload, message, node=node, rank=rank)
+        return self.timeline.emit(payload, message, node=node, rank=rank, step=step)
 
     def fence_out(self, node: Node) -> None:
         """``node`` is declared lost: no round it ran in may commit a checkpoint any more.
@@ -439,6 +456,7 @@ class Master:
         node.memory = list(request.memory)
         if request.last_step >= 0:
             node.step = max(node.step, request.last_step)
+            self.saw_step(request.last_step)
             self.recovery.progressed(request.last_step)
         if self.rounds.closed and request.node_id in self.rounds.world:
             return self._ready(request.node_id)
@@ -487,6 +505,7 @@ class Master:
         node = self.heard_from(beat.node_id)
         if beat.progress:
             node.step = max(p.step for p in beat.progress)
+            self.saw_step(node.step)
             self.diagnosis.progress(node, beat)
             self._sample(node, beat.round)
         if beat.first_step_time is not None and beat.round == self.rounds.round:
@@ -508,6 +527,29 @@ class Master:
         if action is None and self.state.terminal:
             action = Action(kind="exit", reason=self.reason)
         return action or Action(kind="none", round=self.rounds.round)
+
+    def saw_step(self, step: int) -> None:
+        """Some report told of ``step``: training got at least that far."""
+        if step > self.last_step:
+            self.last_step = step
+
+    @property
+    def newest_step(self) -> int:
+        """The highest step heard of, from any node, lost ones included (-1: none)."""
+        return max([self.last_step, *(n.step for n in self.nodes.values())])
+
+    @property
+    def steps_done(self) -> int:
+        """Steps done in this run: from the first step reported to the newest, both counted
+        (what the summary and ``planaria status`` say)."""
+        last = self.newest_step
+        return max(0, last - self.first_step + 1) if last >= 0 else 0
+
+    def sample_last(self, node: Node) -> None:
+        """A last ``progress`` event of a node leaving the running world (lost, taken out):
+        the timeline, and ``planaria status`` once the job is over, show its last step, not
+        the sample before it."""
+        self._sample(node, self.rounds.round, last=True)
 
     def _sample(self, node: Node, round_: int, *, last: bool = False) -> None:
         """A ``progress`` event of ``node``'s step, if its last is old enough (or ``last``)."""
@@ -542,25 +584,35 @@ class Master:
     def workers_report(self, report: WorkersReport) -> None:
         node = self.heard_from(report.node_id, fence=False)  # a late report still tells
         node.step = max(node.step, report.last_step)
+        self.saw_step(report.last_step)
         current = report.round == self.rounds.round and self.state is JobState.RUNNING
         if report.succeeded:
             if current:
                 self._sample(node, report.round, last=True)
                 node.phase = NodePhase.SUCCEEDED
                 if all(self.nodes[n].phase is NodePhase.SUCCEEDED for n in self.rounds.world):
-                    last = max((n.step for n in self.nodes.values()), default=-1)
-                    ok, why = self.checkpoints.end(last)
+                    ok, why = self.checkpoints.end(self.last_step)
                     state = JobState.SUCCEEDED if ok else JobState.FAILED
                     self._finish(state, why, StopCause.CHECKPOINT)
             return
         if report.failure is None:
             raise BadReport("a report of failed workers must name the failure")
         if current:
+            self._sample(node, report.round, last=True)  # where its workers got to
             node.phase = NodePhase.FAILED
         self.diagnosis.workers_failed(node, report, current=current)
 
+    def worker_output(self, report: WorkersOutput) -> None:
+        """Lines a node's workers wrote: to the console (:mod:`planaria.agent.console`)."""
+        self.heard_from(report.node_id, fence=False)
+        self.on_output(report)
+
     def checkpoint_event(self, report: CheckpointEvent) -> None:
         node = self.heard_from(report.node_id, fence=False)
+        if report.event in ("checkpoint_committed", "persist_failed"):
+            # The step's state was saved: the step was done, heartbeat or not.
+            node.step = max(node.step, report.step)
+            self.saw_step(report.step)
         stop = self.checkpoints.event(node.node_id, report)
         if stop is not None:
             self._finish(JobState.FAILED, stop, StopCause.CHECKPOINT)
@@ -574,7 +626,8 @@ class Master:
             round=self.rounds.round,
             restarts=self.restarts,
             max_restarts=self.spec.max_restarts,
-            step=max((n.step for n in self.nodes.values() if n.node_id in rank_of), default=-1),
+            step=self.newest_step,
+            steps_done=self.steps_done,
             nodes=self.fleet.statuses(rank_of),
             reason=self.reason,
         )
@@ -738,13 +791,12 @@ class Master:
     def summary(self) -> Summary:
         end = self.finished_at or time.time()
         startup = None if self.first_step_at is None else self.first_step_at - self.started
-        last = max((n.step for n in self.nodes.values()), default=-1)
-        steps = max(0, last - self.first_step + 1) if last >= 0 else 0
+        last = self.newest_step
         committed = self.checkpoints.committed_step
         return Summary(
             state=self.state.value,
             reason=self.reason,
-            steps=steps,
+            steps=self.steps_done,
             wall_s=end - self.started,
             startup_s=startup,
             downtime_s=self.recovery.downtime_s,
@@ -759,7 +811,16 @@ class Master:
             stragglers=list(self.diagnosis.stragglers),
             preflight=self.preflight.report if self.settings.diagnosis.preflight.enabled else None,
             not_written=self._not_written(),
+            failed_rank=self._failed_rank(),
         )
+
+    def _failed_rank(self) -> FailedRank | None:
+        """The worker failure a failed job ended on: its last fault, a worker's, unrecovered
+        (not one the job got over before something else stopped it)."""
+        last = self.faults[-1] if self.faults else None
+        if self.state is not JobState.FAILED or last is None or last.kind != "worker_failed":
+            return None
+        return self.diagnosis.failed_rank if last.recovered_at is None else None
 
     def _not_written(self) -> list[str]:
         lost = dict(self.not_written)

@@ -65,6 +65,14 @@ class Restartable(Protocol):
         """``node`` is out: nothing it saves from now on may be committed."""
         ...
 
+    def saw_step(self, step: int) -> None:
+        """Some report told of ``step``: training got at least that far."""
+        ...
+
+    def sample_last(self, node: Node) -> None:
+        """Put ``node``'s last known step in the timeline, as it leaves the running world."""
+        ...
+
 
 class Recovery:
     def __init__(
@@ -148,6 +156,7 @@ class Recovery:
         if before is not None:
             before(decision)
         node.step = max(node.step, fault.last_step)
+        self.job.saw_step(fault.last_step)
         if decision.remove:
             self._take_out(node, fault.detail)
         if decision.record:
@@ -168,6 +177,8 @@ class Recovery:
     def node_lost(self, node: Node, why: str) -> None:
         """The node's agent ended, or went silent: a fault of the node (class ``node``),
         though nothing says its host is bad (it is not excluded)."""
+        if node.node_id in self.rounds.world:
+            self.job.sample_last(node)  # the step it got to, before its fault
         fault = Fault(
             kind="node_lost",
             node=node.node_id,

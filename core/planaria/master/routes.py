@@ -41,6 +41,7 @@ from planaria.protocol import (
     ReattachRequest,
     RegisterReply,
     RegisterRequest,
+    WorkersOutput,
     WorkersReport,
 )
 
@@ -187,6 +188,15 @@ ROUTES: tuple[Route, ...] = (
         Ack,
         "A node's workers all succeeded, or the first of them failed",
         acked(lambda c, report: c.master.workers_report(report)),
+        errors=REPORT,
+    ),
+    Route(
+        "POST",
+        f"{API_PREFIX}/output",
+        WorkersOutput,
+        Ack,
+        "Lines a node's workers wrote, for the planaria run console",
+        acked(lambda c, report: c.master.worker_output(report)),
         errors=REPORT,
     ),
     Route(

@@ -34,6 +34,7 @@ from planaria.errors import ConfigError, ConfigIssue
 from planaria.events import JobEvent
 from planaria.log import get_logger
 from planaria.master import scale
+from planaria.master.advertise import Advertised, AdvertiseError, choose, is_wildcard, url_host
 from planaria.master.binding import prover
 from planaria.master.job import Master
 from planaria.master.journal import NAME as JOURNAL_FILE
@@ -54,7 +55,14 @@ from planaria.master.transport import transport
 from planaria.master.trust import check_private
 from planaria.plugin.manager import PluginManager
 from planaria.plugin.records import PluginKind
-from planaria.protocol import FINGERPRINT_ENV, MASTER_ENV, TOKEN_ENV, CheckpointSpec, JobSpec
+from planaria.protocol import (
+    FINGERPRINT_ENV,
+    MASTER_ENV,
+    TOKEN_ENV,
+    CheckpointSpec,
+    JobSpec,
+    WorkersOutput,
+)
 from planaria.scheduler.api import LaunchSpec, Scheduler
 
 TICK = 0.05
@@ -123,6 +131,11 @@ class RunHooks:
     """The job (its name, its run's id ...) and the master's URL, once the API listens."""
     on_warning: Callable[[str], None] = _ignore
     """What the user must hear before the job starts (an API open to the network)."""
+    on_advertise: Callable[[Advertised], None] = _ignore
+    """The address agents are told, and why, when the master chose it (the config binds
+    every interface and advertises nothing)."""
+    on_output: Callable[[WorkersOutput], None] = _ignore
+    """Lines the workers wrote (:mod:`planaria.agent.console`), as they come."""
     follow: Callable[[Master, asyncio.Future[Summary]], Awaitable[Summary]] = field(default=_wait)
     """Awaits the running job and returns its summary; meanwhile it may show its status."""
     on_interrupt: Callable[[signal.Signals], None] = _ignore
@@ -180,7 +193,22 @@ def _run_dir(resolved: ResolvedConfig) -> tuple[str, Path]:
             "job.run_dir to a directory this user can write"
         )
         raise ConfigError([resolved.issue("job.run_dir", message)], resolved.source) from None
+    logs = worker_log_dir(resolved, run_id, run_dir)
+    try:
+        logs.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        message = f"cannot create the log directory {logs}: {exc.strerror or exc}"
+        raise ConfigError([resolved.issue("job.logs.dir", message)], resolved.source) from None
     return run_id, run_dir
+
+
+def worker_log_dir(resolved: ResolvedConfig, run_id: str, run_dir: Path) -> Path:
+    """Where the workers' logs go: the run's ``logs/``, or a folder of the run's in
+    ``job.logs.dir`` (torchrun's ``--log-dir`` also keeps each run apart)."""
+    job = resolved.config.job
+    if job.logs.dir is None:
+        return run_dir / "logs"
+    return (job.workdir / job.logs.dir / run_id).absolute()
 
 
 def _checkpoint_spec(resolved: ResolvedConfig, run_dir: Path) -> CheckpointSpec:
@@ -229,6 +257,11 @@ def _job_spec(
         stop_grace=job.stop_grace,
         log_max_bytes=int(job.logs.max_bytes),
         log_keep=job.logs.keep,
+        log_dir=None if job.logs.dir is None else str(worker_log_dir(resolved, run_id, run_dir)),
+        console=job.logs.console,
+        redirects=job.logs.redirects,
+        tee=job.logs.tee,
+        local_ranks_filter=job.logs.local_ranks_filter,
         preload=[] if preflight_only else job.preload,
         chaos=config.chaos,
         checkpoint=None if preflight_only else _checkpoint_spec(resolved, run_dir),
@@ -236,16 +269,43 @@ def _job_spec(
     )
 
 
+async def _advertised(
+    resolved: ResolvedConfig, master: Master, journalled: Journalled | None
+) -> Advertised:
+    """What agents are told the master's address is (:mod:`planaria.master.advertise`): a
+    resumed master keeps what its agents were told. A master that cannot tell is the
+    config's problem (``master.advertise``); a new run then leaves nothing behind."""
+    section = resolved.config.master
+    server = (journalled.meta.get("server") or {}) if journalled is not None else {}
+    if journalled is not None and server.get("advertise") and not section.advertise:
+        return Advertised(str(server["advertise"]), "as the job's first master told its agents")
+    try:
+        # On the scheduler's thread: it may ask its cluster, and names may need looking up.
+        return await master.fleet.call(
+            choose,
+            section.host,
+            section.advertise,
+            env=dict(os.environ),
+            nodes=master.fleet.scheduler.node_addresses,
+        )
+    except AdvertiseError as exc:
+        master.timeline.close()
+        if journalled is None:
+            shutil.rmtree(master.run_dir, ignore_errors=True)
+        raise ConfigError([resolved.issue("master.advertise", str(exc))], resolved.source) from None
+
+
 def _tls(
-    resolved: ResolvedConfig, wanted: bool, master: Master, run_dir: Path
+    resolved: ResolvedConfig, wanted: bool, master: Master, run_dir: Path, advertised: str
 ) -> tuple[ssl.SSLContext | None, dict[str, str]]:
-    """The job's certificate (reused from ``run_dir`` when there) to serve with, and the
-    agents' environment that pins it; nothing when ``wanted`` is false."""
+    """The job's certificate (reused from ``run_dir`` when there) to serve with, naming
+    ``advertised`` (what agents are told), and the agents' environment that pins it;
+    nothing when ``wanted`` is false."""
     if not wanted:
         return None, {}
     section = resolved.config.master
     try:
-        certificate = job_certificate(run_dir, [section.advertise or section.host, section.host])
+        certificate = job_certificate(run_dir, [advertised, section.host])
         return server_context(certificate), {FINGERPRINT_ENV: certificate.fingerprint}
     except BaseException:
         master.timeline.close()
@@ -458,7 +518,9 @@ def _master(
         manager.emit(event)
 
     settings = _settings(resolved, manager, spec, preflight_only)
-    return Master(settings, scheduler, run_dir, observe)
+    master = Master(settings, scheduler, run_dir, observe)
+    master.on_output = hooks.on_output
+    return master
 
 
 async def _run(
@@ -482,7 +544,9 @@ async def _run(
         )
         scale.prepare(master.settings.max_nodes)
         wire = transport(config.master.host, config.master.tls)
-        tls, pin = _tls(resolved, wire.tls, master, run_dir)  # the same again on a resume
+        advertised = await _advertised(resolved, master, journalled)
+        # The same again on a resume.
+        tls, pin = _tls(resolved, wire.tls, master, run_dir, advertised.address)
         fingerprint = pin.get(FINGERPRINT_ENV)
         app_ = make_app(
             master,
@@ -495,12 +559,22 @@ async def _run(
         )
         server, port = await _serve(resolved, app_, master, run_dir, port, tls)
         assert master.journal is not None
-        advertise = config.master.advertise or config.master.host
-        url = f"{wire.scheme}://{advertise}:{port}"
+        url = f"{wire.scheme}://{url_host(advertised.address)}:{port}"
         # Where `planaria status` asks (and a resumed master listens again).
-        master.journal.set_meta("server", {"host": config.master.host, "port": port, "url": url})
+        master.journal.set_meta(
+            "server",
+            {
+                "host": config.master.host,
+                "port": port,
+                "url": url,
+                "advertise": advertised.address,
+            },
+        )
         if wire.warning:
             hooks.on_warning(wire.warning)
+        if not config.master.advertise and is_wildcard(config.master.host):
+            log.info("master address chosen", address=advertised.address, why=advertised.why)
+            hooks.on_advertise(advertised)
         agents = LaunchSpec(
             job=master.spec.job,
             command=(sys.executable, "-m", "planaria", "agent"),

@@ -62,6 +62,34 @@ class Fault:
         return max(0, self.last_step - self.first_step_after + 1)
 
 
+TAIL_LINES = 15
+TAIL_BYTES = 4096
+
+
+def tail_of(text: str, lines: int = TAIL_LINES, max_bytes: int = TAIL_BYTES) -> str:
+    """The last ``lines`` lines of ``text``, within ``max_bytes``: a traceback's end, which
+    names the exception, fits; a long log does not flood the summary."""
+    kept = text.rstrip("\n").splitlines()[-lines:]
+    while kept and len("\n".join(kept).encode()) > max_bytes:
+        kept.pop(0)
+    if not kept and text:  # one line longer than the bound: its end
+        kept = [text.rstrip("\n").encode()[-max_bytes:].decode("utf-8", "ignore")]
+    return "\n".join(kept)
+
+
+@dataclass
+class FailedRank:
+    """The worker failure that drove the job's last fault: where to read why."""
+
+    rank: int
+    node: str
+    description: str
+    log: str
+    """The log that holds its output ("" when its agent did not say)."""
+    tail: str
+    """The last lines of its output (:func:`tail_of`): mostly its traceback's end."""
+
+
 NO_STEPS = (
     "the training command never reported a step: call planaria.monitor.step(n) or Checkpointer.save"
 )
@@ -91,6 +119,8 @@ class Summary:
     preflight: PreflightReport | None = None
     not_written: list[str] = field(default_factory=list)
     """Files of the run's record that could not be written (a full disk), and why."""
+    failed_rank: FailedRank | None = None
+    """A job that did not succeed: the last worker failure that drove a fault, if any."""
     """The pre-flight node check, when the job ran one."""
 
     @property
@@ -130,10 +160,7 @@ def summary_rows(summary: Summary) -> list[Row]:
         rows.append(Row("start-up (to first step)", f"{summary.startup_s:.2f}s"))
     rows.append(Row("restarts", str(summary.restarts)))
     rows.append(Row("downtime (recovery)", f"{summary.downtime_s:.2f}s"))
-    goodput = summary.goodput
-    rows.append(
-        Row("goodput", "unknown: no step reported" if goodput is None else f"{goodput:.1%}")
-    )
+    rows.append(Row("goodput", _goodput(summary)))
     if summary.checkpoints:
         last = f"{summary.checkpoints} (last: step {summary.last_checkpoint})"
         rows.append(Row("checkpoints committed", last))
@@ -147,7 +174,25 @@ def summary_rows(summary: Summary) -> list[Row]:
         rows.append(Row("started from scratch", summary.started_from_scratch, alarm=True))
     if summary.not_written:
         rows.append(Row("not written", "\n".join(summary.not_written), alarm=True))
+    failed = summary.failed_rank
+    if failed is not None:
+        where = f"rank {failed.rank} (node {failed.node}) {failed.description}"
+        rows.append(Row("failed rank", where + (f"; its log: {failed.log}" if failed.log else "")))
     return rows
+
+
+GOODPUT = "time training over wall time: start-up and recovery count against it"
+
+
+def _goodput(summary: Summary) -> str:
+    """The goodput with its definition and the figures it came from: a bare percentage reads
+    as training efficiency, while a short job's start-up alone can take most of it."""
+    goodput = summary.goodput
+    if goodput is None:
+        return f"unknown: no step reported ({GOODPUT})"
+    lost = f"{summary.wall_s:.2f}s wall time - {summary.startup_s or 0.0:.2f}s start-up - "
+    lost += f"{summary.downtime_s:.2f}s recovery"
+    return f"{goodput:.1%}: {GOODPUT} (({lost}) / {summary.wall_s:.2f}s)"
 
 
 FAULT_COLUMNS = ("fault", "class", "detail", "action", "restored from", "recovery", "steps lost")

@@ -20,6 +20,7 @@ from typing import Any
 import pluggy
 from pydantic import BaseModel, ValidationError
 
+from planaria import install
 from planaria.errors import (
     ConfigIssue,
     DuplicatePluginError,
@@ -370,7 +371,7 @@ class PluginManager:
         choices = ", ".join(available) or "(none installed)"
         message = f"{kind.label} {name!r} is not installed. Choose one of: {choices}"
         if package is not None:
-            message += f"; or install it: pip install {package}"
+            message += f"; or install it: {install.hint(package)}"
         # A plugin that did not load may be the one that provides the name.
         failed = [i for i in self.plugins.values() if i.status is PluginStatus.FAILED]
         if failed:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from planaria import rundir
+from planaria import install, rundir
 from planaria.errors import PlanariaError
 from planaria.report.course import Course, Incident, course
 from planaria.report.page import page
@@ -18,7 +18,6 @@ from planaria.report.page import page
 __all__ = ["REPORT_FILE", "Course", "Incident", "ReportError", "course", "write_report"]
 
 REPORT_FILE = "report.html"
-INSTALL = "pip install 'planaria[report]'"
 
 
 class ReportError(PlanariaError):
@@ -37,7 +36,9 @@ def write_report(run_dir: Path, output: Path | None = None, png: Path | None = N
     try:
         fig = plot.figure(told)
     except plot.MissingMatplotlib as exc:
-        raise ReportError(f"a report needs matplotlib ({exc}): {INSTALL}") from None
+        raise ReportError(
+            f"a report needs matplotlib ({exc}): {install.hint(install.CORE, 'report')}"
+        ) from None
     output = output or run_dir / REPORT_FILE
     try:
         output.write_text(page(told, summary, plot.svg(fig), str(run_dir)), encoding="utf-8")

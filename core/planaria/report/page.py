@@ -29,7 +29,7 @@ body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1200px
 h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-top: 1.6em; }
 table { border-collapse: collapse; margin: 0.5em 0; font-size: 0.9em; }
 th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left;
-         vertical-align: top; }
+         vertical-align: top; overflow-wrap: anywhere; }
 th { background: #f3f3f3; }
 td.alarm { color: #b03a2e; font-weight: bold; }
 .figure svg { width: 100%; height: auto; }
@@ -111,6 +111,9 @@ def _summary(summary: Summary) -> str:
         css = ' class="alarm"' if row.alarm or failed else ""
         html.append(f"<tr><th>{escape(row.what)}</th><td{css}>{_text(row.value)}</td></tr>")
     html.append("</table>")
+    rank = summary.failed_rank
+    if rank is not None and rank.tail:
+        html.append(f"<p>last lines of rank {rank.rank}:</p><pre>{escape(rank.tail)}</pre>")
     return "\n".join(html)
 
 

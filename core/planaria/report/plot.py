@@ -7,16 +7,17 @@ as paths (no font to fetch), and the same figure as a PNG for a chat or a ticket
 optional dependency (``pip install 'planaria[report]'``): the core does not need it to train.
 
 Three panels on one time axis: the job's step (one line between two faults, so that a restore
-shows as the line starting again lower), the checkpoints committed and each fault's span from
-its detection to its recovery; then each node as a bar over the rounds it trained in (its rank
-and its sampled steps on it, a cross where it was lost); then one lane a kind of moment (fault,
-detection, restart, restore, recovery, checkpoint, straggler), labelled.
+shows as the line starting again lower) and its steps per second, the checkpoints committed and
+each fault's span from its detection to its recovery; then each node as a bar over the rounds it
+trained in (its rank and its sampled steps on it, a cross where it was lost); then one lane a
+kind of moment (fault, detection, restart, restore, recovery, checkpoint, straggler), labelled.
 """
 
 from __future__ import annotations
 
 import io
 import re
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,11 +34,23 @@ RESTORE = "#2471a3"
 RECOVERED = "#1e8449"
 CHECKPOINT = "#7f8c8d"
 STRAGGLER = "#b7950b"
+THROUGHPUT = "#5dade2"
+RATE_WINDOW = 0.01
+"""The least part of the job's time a steps-per-second figure spans (and a second)."""
 MANY_NODES = 12
 """Beyond this many nodes their lines share one colour and the legend names none."""
 LABELLED = 10
 """Faults and rounds whose marks are labelled (the last ones): more labels would only cover
 each other, and make the picture megabytes."""
+WIDTH = 12.0
+"""The figure's width in inches."""
+AXES_POINTS = WIDTH * 72 * 0.9
+"""About how wide the charts are, in points: labels are placed by their estimated width."""
+CHAR = 0.62
+"""A character's width, about, in ems of the label's font (DejaVu Sans, matplotlib's)."""
+END_WIDTH = 140
+"""Characters a line of the job's end reason holds, below the chart: at the figure's width and
+size 8.5 a line of this many fits with room to spare."""
 
 
 class MissingMatplotlib(ImportError):
@@ -51,22 +64,29 @@ def figure(course: Course) -> Figure:
     except ImportError as exc:
         raise MissingMatplotlib(str(exc)) from None
     shown = len(course.nodes_seen()) if len(course.nodes_seen()) <= MANY_NODES else 0
-    fig = Figure(figsize=(12, 7.5 + 0.35 * shown), layout="constrained")
+    fig = Figure(figsize=(WIDTH, 7.5 + 0.35 * shown), layout="constrained")
     steps, nodes, lanes = fig.subplots(
         3, 1, sharex=True, height_ratios=(3, 0.6 + 0.35 * max(shown, 1), 2.2)
     )
     _steps(steps, course)
     _nodes(nodes, course, shown > 0)
     _lanes(lanes, course)
-    end = max(course.end, 1.0)
-    lanes.set_xlim(-0.02 * end, end * 1.02)
+    lanes.set_xlim(-0.02 * _span(course), _span(course) * 1.02)
     lanes.set_xlabel("seconds since the job started")
+    if course.outcome is not None:
+        # The end reason may be a paragraph (a crash loop's): below the chart, wrapped to the
+        # figure's width. Drawn in a lane it ran off the picture, or squeezed the chart to
+        # make room for itself.
+        reason = textwrap.fill(f"end: {course.outcome.label}", END_WIDTH, max_lines=4)
+        fig.supxlabel(reason, x=0.01, ha="left", fontsize=8.5)
     title = f"{course.job} ({course.run_id})" if course.run_id else course.job
     fig.suptitle(title, fontsize=12)
     return fig
 
 
 def _steps(ax: Any, course: Course) -> None:
+    from matplotlib.ticker import MaxNLocator
+
     for k, line in enumerate(course.job_steps):
         ax.plot(
             [p.time for p in line],
@@ -109,24 +129,84 @@ def _steps(ax: Any, course: Course) -> None:
             color=CHECKPOINT,
         )
     top = _top(course)
-    for k, incident in enumerate(course.incidents[-LABELLED:]):
+    shelves = Shelves(3)
+    for incident in reversed(course.incidents[-LABELLED:]):  # the last ones first
+        headline = _headline(incident)
+        lo, hi, leftwards = _extent(incident.detected, course, headline, 8.5, 8)
+        shelf = shelves.place(lo, hi)
+        if shelf is None:  # no room left near it: its number still marks the lanes below
+            continue
         ax.annotate(
-            _headline(incident),
-            xy=(incident.detected, top * (0.97 - 0.16 * (k % 3))),
-            xytext=(4, 0),
+            headline,
+            xy=(incident.detected, top * (0.97 - 0.18 * shelf)),  # a row a box's height
+            xytext=(-4 if leftwards else 4, 0),
             textcoords="offset points",
             fontsize=8.5,
             va="top",
+            ha="right" if leftwards else "left",
             color=FAULT,
             bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": FAULT, "alpha": 0.9},
         )
     ax.set_ylim(bottom=0, top=top * 1.02)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no step 1.25
     ax.set_ylabel("step")
     ax.grid(alpha=0.3)
+    rate = _throughput(ax, course)
     if course.job_steps or course.checkpoints:
-        ax.legend(loc="lower right", fontsize=8)
+        handles, labels = ax.get_legend_handles_labels()
+        if rate is not None:
+            more, named = rate.get_legend_handles_labels()
+            handles, labels = handles + more, labels + named
+        ax.legend(handles, labels, loc="lower right", fontsize=8)
     else:
-        ax.text(0.5, 0.5, "no step in the timeline", transform=ax.transAxes, ha="center")
+        # Below the faults' headlines, which take the top half.
+        ax.text(0.5, 0.25, "no step in the timeline", transform=ax.transAxes, ha="center")
+
+
+def _throughput(ax: Any, course: Course) -> Any:
+    """The job's steps per second, on the step chart's right axis (None without two samples
+    in a row): a slowdown, a straggler or a throttled chip, shows as a dip that the step line's
+    slope hides. Each rate spans at least ``RATE_WINDOW`` of the job, so that two samples a
+    moment apart (from two nodes) do not make a spike."""
+    window = max(RATE_WINDOW * _span(course), 1.0)
+    lines = []
+    for line in course.job_steps:
+        if not line:
+            continue
+        times: list[float] = []
+        rates: list[float] = []
+        start = line[0]
+        for k, sample in enumerate(line[1:], start=1):
+            if sample.step < start.step:  # not in one line; start again from it
+                start = sample
+                continue
+            last = k == len(line) - 1
+            if sample.time - start.time >= window or (last and sample.time > start.time):
+                times += [start.time, sample.time]
+                rates += [(sample.step - start.step) / (sample.time - start.time)] * 2
+                start = sample
+        if times:
+            lines.append((times, rates))
+    if not lines:
+        return None
+    right = ax.twinx()
+    # Beneath the step chart's own marks, labels and legend.
+    right.set_zorder(ax.get_zorder() - 1)
+    ax.patch.set_visible(False)
+    for k, (times, rates) in enumerate(lines):
+        right.plot(
+            times,
+            rates,
+            color=THROUGHPUT,
+            linewidth=1,
+            alpha=0.8,
+            label="steps/s" if k == 0 else None,
+        )
+    top = max(rate for _, rates in lines for rate in rates)
+    right.set_ylim(bottom=0, top=top * 1.3 if top > 0 else 1)
+    right.set_ylabel("steps/s", color=THROUGHPUT)
+    right.tick_params(axis="y", colors=THROUGHPUT)
+    return right
 
 
 def _nodes(ax: Any, course: Course, each: bool) -> None:
@@ -145,9 +225,11 @@ def _nodes(ax: Any, course: Course, each: bool) -> None:
         return
     names = course.nodes_seen()
     row = {name: len(names) - 1 - i for i, name in enumerate(names)}
+    room = 0.05 * _span(course)  # a rank label's width, about, in seconds
     lost = {i.where: i.detected for i in course.incidents if i.kind == "node_lost"}
     for i, name in enumerate(names):
         colour = f"C{i % 10}"
+        free_from = float("-inf")  # where the row's last label ends: short rounds share one
         for r in course.rounds:
             end = min(r.end, lost.get(name, r.end))
             if name not in r.ranks or end < r.start:
@@ -159,8 +241,9 @@ def _nodes(ax: Any, course: Course, each: bool) -> None:
                 alpha=0.35,
                 linewidth=0,
             )
-            if r.number in labelled:
+            if r.number in labelled and r.start >= free_from:
                 ax.text(r.start, row[name], f" rank {r.ranks[name]}", va="center", fontsize=7)
+                free_from = r.start + room
         samples = [s for line in course.nodes.get(name, []) for s in line]
         ax.plot([s.time for s in samples], [row[name]] * len(samples), "|", color=colour, ms=9)
         if len(samples) <= 40:
@@ -168,24 +251,64 @@ def _nodes(ax: Any, course: Course, each: bool) -> None:
                 ax.annotate(
                     str(s.step),
                     xy=(s.time, row[name]),
-                    xytext=(2, 5),
+                    xytext=(2, 6),  # over the bar's rank label, not on it
                     textcoords="offset points",
                     fontsize=6.5,
                     color=colour,
+                    va="bottom",
                 )
     for name, at in lost.items():
         if name in row:
             ax.plot([at], [row[name]], "X", color=FAULT, ms=9)
+            leftwards = _extent(at, course, "lost", 7.5, 7)[2]
             ax.annotate(
                 "lost",
                 xy=(at, row[name]),
-                xytext=(7, -3),
+                xytext=(-7 if leftwards else 7, -3),
                 textcoords="offset points",
                 fontsize=7.5,
                 color=FAULT,
+                ha="right" if leftwards else "left",
             )
     ax.set_yticks(list(row.values()), list(row.keys()))
     ax.set_ylim(-0.6, len(names) - 0.4)
+
+
+def _span(course: Course) -> float:
+    """The seconds the time axis shows (at least one)."""
+    return max(course.end, 1.0)
+
+
+def _extent(
+    t: float, course: Course, text: str, size: float, offset: float
+) -> tuple[float, float, bool]:
+    """Where a label of the moment ``t`` lies across the time axis (fractions of its width,
+    estimated from its longest line at font ``size`` and ``offset`` points from its mark),
+    and whether it reads leftwards: only when reading rightwards would run it off the chart's
+    right edge, so that one near the job's end stays inside the picture."""
+    span = _span(course)
+    at = (t + 0.02 * span) / (1.04 * span)  # the axis shows 2% more on either side
+    longest = max((len(line) for line in text.splitlines()), default=0)
+    width = (longest * CHAR * size + offset) / AXES_POINTS
+    if at + width <= 0.99:
+        return at, at + width, False
+    return at - width, at, True
+
+
+class Shelves:
+    """Rows of labels (above a mark, below it ...): a label goes on the first row where it
+    covers no other label, or on none when every row is taken there, so that close moments
+    never print their labels over each other."""
+
+    def __init__(self, rows: int) -> None:
+        self.taken: list[list[tuple[float, float]]] = [[] for _ in range(rows)]
+
+    def place(self, lo: float, hi: float) -> int | None:
+        for row, spans in enumerate(self.taken):
+            if all(hi <= a or lo >= b for a, b in spans):
+                spans.append((lo, hi))
+                return row
+        return None
 
 
 def _top(course: Course) -> float:
@@ -209,40 +332,47 @@ def _headline(incident: Any) -> str:
 def _lanes(ax: Any, course: Course) -> None:
     row = {name: len(LANES) - 1 - i for i, name in enumerate(LANES)}
 
-    def mark(
-        lane: str, t: float, colour: str, label: str = "", shape: str = "o", below: bool = False
-    ) -> None:
+    shelves = {lane: Shelves(2) for lane in LANES}  # a lane's labels: above its marks, below
+
+    def mark(lane: str, t: float, colour: str, label: str = "", shape: str = "o") -> None:
         ax.plot([t], [row[lane]], shape, color=colour, markersize=7)
-        if label:  # close moments: every other label below its mark, not on its neighbour's
+        if not label:
+            return
+        lo, hi, leftwards = _extent(t, course, label, 7.5, 5)
+        below = shelves[lane].place(lo, hi)
+        if below is not None:
             ax.annotate(
                 label,
                 xy=(t, row[lane]),
-                xytext=(5, -11 if below else 4),
+                # Centred half a lane's height (22 points at the least) from the lane: off
+                # its mark, clear of the next lane's labels.
+                xytext=(-5 if leftwards else 5, -6 if below else 6),
                 textcoords="offset points",
                 fontsize=7.5,
                 color=colour,
+                ha="right" if leftwards else "left",
+                va="center",
             )
 
     labelled = {i.number for i in course.incidents[-LABELLED:]}
-    for i in course.incidents:
-        below = i.number % 2 == 0
+    for i in reversed(course.incidents):  # the last ones' labels first, where it is crowded
         if i.number not in labelled:
             _unlabelled(ax, row, i, course.end)
             continue
         fault_at = i.injected if i.injected is not None else i.detected
-        mark("fault", fault_at, FAULT, f"{i.number}: {i.kind}", "X", below)
-        mark("detected", i.detected, DETECTED, f"{i.number}: {i.where}", below=below)
+        mark("fault", fault_at, FAULT, f"{i.number}: {i.kind}", "X")
+        mark("detected", i.detected, DETECTED, f"{i.number}: {i.where}")
         if i.restarted is not None:
             label = f"{i.number}: round {i.round}"
             if i.replaced_by:
                 label += f", {i.replaced_by} in"
-            mark("restart", i.restarted, RESTART, label, below=below)
+            mark("restart", i.restarted, RESTART, label)
         if i.restored is not None and i.restore:
             where = "memory" if i.restore.startswith("memory") else "storage"
-            mark("restore", i.restored, RESTORE, f"{i.number}: {where}", "s", below)
+            mark("restore", i.restored, RESTORE, f"{i.number}: {where}", "s")
         if i.recovered is not None:
             took = f"{i.number}: {i.recovery_s or 0:.2f}s"
-            mark("recovered", i.recovered, RECOVERED, took, below=below)
+            mark("recovered", i.recovered, RECOVERED, took)
         span_end = i.recovered if i.recovered is not None else course.end
         ax.plot([fault_at, span_end], [row["fault"]] * 2, color=FAULT, alpha=0.4, linewidth=3)
     if course.checkpoints:
@@ -250,10 +380,10 @@ def _lanes(ax: Any, course: Course) -> None:
         ax.plot(at, [row["checkpoint"]] * len(at), "^", color=CHECKPOINT, markersize=5)
     for s in course.stragglers:
         mark("straggler", s.time, STRAGGLER, s.label, "D")
-    if course.outcome is not None:
+    if course.outcome is not None:  # its reason is written below the chart
         ax.axvline(course.outcome.time, color="black", linewidth=1, linestyle="--")
         ax.annotate(
-            course.outcome.label,
+            "end",
             xy=(course.outcome.time, row["straggler"]),
             xytext=(-4, 0),
             textcoords="offset points",

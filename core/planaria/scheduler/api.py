@@ -198,6 +198,14 @@ class Scheduler(ABC, Generic[OptionsT]):
         """Hosts this scheduler will not place nodes on any more."""
         return set()
 
+    def node_addresses(self) -> list[str]:
+        """Where this scheduler's nodes will run, known before any starts: the addresses of
+        their machines, or names that resolve to them (not :attr:`NodeHandle.host`, which may
+        be a label); ``[]`` when it cannot tell. A master bound to every interface tells its
+        agents the address it reaches these from (:mod:`planaria.master.advertise`). Called
+        from the scheduler's thread, before :meth:`launch`."""
+        return []
+
 
 class AdmitsNodes(ABC):
     """A scheduler capability: nodes that register although the master never launched them
@@ -218,6 +226,10 @@ class SchedulerRecord(PluginRecord):
         "ray": "planaria-ray",
         "kubernetes": "planaria-kubernetes",
     }
+    well_known_commands: ClassVar[frozenset[str]] = frozenset({"kubernetes"})
+    """The well-known schedulers that bring commands of their own (``planaria kubernetes
+    manifest``): asked for while not installed, ``planaria`` says what to install instead of
+    "No such command"."""
     factory: type[Scheduler]  # type: ignore[type-arg]  # pydantic rejects type[X[Any]]
     commands: Any = None
     """The scheduler's own commands, a ``typer.Typer`` run as ``planaria <name> ...`` (the

@@ -433,6 +433,14 @@ class LocalScheduler(Scheduler[LocalOptions]):
     def excluded_hosts(self) -> set[str]:
         return set(self._excluded)
 
+    def node_addresses(self) -> list[str]:
+        """``127.0.0.1``: the nodes run on this machine; with ``netns``, the addresses in
+        those namespaces (their interfaces' global ones), which the master reaches over
+        whatever joins them to its own."""
+        if not self.options.netns:
+            return ["127.0.0.1"]
+        return [a for name in self.options.netns for a in _netns_addresses(name)]
+
     # -- placement ------------------------------------------------------------------------
 
     def _hosts(self) -> list[str]:
@@ -694,3 +702,25 @@ def planaria_schedulers() -> Iterable[SchedulerRecord]:
         options=LocalOptions,
         summary="nodes are agent processes on this machine",
     )
+
+
+def _netns_addresses(name: str) -> list[str]:
+    """The global addresses of network namespace ``name``'s interfaces (``ip -n``); none when
+    it cannot be read (it is gone, or this user may not enter it)."""
+    try:
+        done = subprocess.run(
+            ["ip", "-n", name, "-o", "addr", "show", "scope", "global"],
+            capture_output=True, text=True, timeout=10, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("cannot read a network namespace's addresses", netns=name, error=str(exc))
+        return []
+    if done.returncode != 0:
+        log.warning(
+            "cannot read a network namespace's addresses", netns=name, error=done.stderr.strip()
+        )
+        return []
+    words = done.stdout.split()
+    return [
+        words[i + 1].split("/")[0] for i, word in enumerate(words[:-1]) if word in ("inet", "inet6")
+    ]

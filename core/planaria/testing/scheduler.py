@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from planaria.master.advertise import carried_name
 from planaria.process import running
 from planaria.protocol import NODE_ID_ENV
 from planaria.scheduler.api import LaunchSpec, NodeEvent, NodeHandle, NodeState, Scheduler
@@ -246,6 +247,16 @@ class SchedulerConformance:
                 assert pids, f"{handle.node_id} runs no process with {NODE_ID_ENV} set to its id"
         unknown = {e.node_id for e in cluster.events} - set(ids)
         assert not unknown, f"events of nodes that were never launched: {unknown}"
+
+    def test_node_addresses_before_a_launch_then_a_launch(self, cluster: Cluster) -> None:
+        """Asked before any node starts, as a master bound to every interface asks: IP
+        addresses or DNS names a certificate can carry (none when it cannot tell), never an
+        error; and the nodes launch as usual after it."""
+        addresses = cluster.scheduler.node_addresses()
+        assert isinstance(addresses, list), addresses
+        bad = [a for a in addresses if not isinstance(a, str) or not carried_name(a)]
+        assert not bad, f"node_addresses() gave what is no address or name: {bad}"
+        self.running(cluster, 1)
 
     def test_launch_of_no_node(self, cluster: Cluster) -> None:
         assert cluster.launch(0) == []

@@ -9,20 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from planaria import leftovers
-from planaria.testing import assert_nothing_left
-
-
-@pytest.fixture(scope="session", autouse=True)
-def trace_marker() -> Iterator[str]:
-    with leftovers.marking() as marker:
-        yield marker
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_running(trace_marker: str) -> Iterator[None]:
-    yield
-    assert_nothing_left(trace_marker)
+pytest_plugins = ["planaria.testing.leaks"]
+"""After every test: nothing it started still runs, nothing it created is left in /dev/shm."""
 
 
 @pytest.hookimpl(wrapper=True)

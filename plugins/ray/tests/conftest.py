@@ -9,23 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from planaria import leftovers
-from planaria.testing import assert_nothing_left
-
 pytest.importorskip("ray")
 from planaria_ray.testing import LocalCluster
 
-
-@pytest.fixture(scope="session", autouse=True)
-def trace_marker() -> Iterator[str]:
-    with leftovers.marking() as marker:
-        yield marker
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_running(trace_marker: str) -> Iterator[None]:
-    yield
-    assert_nothing_left(trace_marker)
+pytest_plugins = ["planaria.testing.leaks"]
+"""After every test: nothing it started still runs, nothing it created is left in /dev/shm."""
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """A real Slurm cluster for the whole session (``cluster.sh``), an allocation on it that the
 scheduler's tests run inside, and a check after every test that the job left nothing behind:
-no step, no process, no shared memory.
+no step, no process, no shared memory (:mod:`planaria.testing.leaks`: only what the test
+itself started or created counts).
 
 Processes are found by the session's marker (:mod:`planaria.leftovers`): srun passes the
 environment on (``--export=ALL``), so agents and workers that slurmstepd starts carry it. What
@@ -19,7 +20,9 @@ from pathlib import Path
 import pytest
 
 from planaria import leftovers
-from planaria.testing import assert_nothing_left
+
+pytest_plugins = ["planaria.testing.leaks"]
+"""After every test: nothing it started still runs, nothing it created is left in /dev/shm."""
 
 HERE = Path(__file__).resolve().parent
 CLUSTER = HERE / "cluster.sh"
@@ -33,21 +36,6 @@ def slurm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 def unmarked() -> dict[str, str]:
     """The environment for what outlives a test on purpose: without the session's marker."""
     return leftovers.unmarked(os.environ)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def trace_marker() -> Iterator[str]:
-    """This session's marker in os.environ: every process a test starts inherits it."""
-    with leftovers.marking() as marker:
-        yield marker
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_running(trace_marker: str) -> Iterator[None]:
-    """No test leaves a process running: whatever still carries the session's marker after it
-    (and after :func:`leaves_nothing` waited for the steps to end) is killed and fails it."""
-    yield
-    assert_nothing_left(trace_marker)
 
 
 @pytest.fixture(scope="session")
@@ -158,19 +146,14 @@ def job_steps(job_id: str) -> list[str]:
 
 @pytest.fixture(autouse=True)
 def leaves_nothing(request: pytest.FixtureRequest, nothing_left_running: None) -> Iterator[None]:
-    """After a test that used the cluster: no step of the allocation, no shared memory. It
-    asks for ``nothing_left_running`` so that the steps get their time to end first."""
-    shm_before = set(Path("/dev/shm").glob("planaria-*"))
+    """After a test that used the cluster: no step of the allocation. It asks for
+    ``nothing_left_running`` so that the steps get their time to end before the processes and
+    the shared memory are looked for (:mod:`planaria.testing.leaks`)."""
     yield
-    if "slurm_cluster" not in request.fixturenames and "allocation" not in request.fixturenames:
+    if "allocation" not in request.fixturenames:
         return
-    job_id = request.getfixturevalue("allocation") if "allocation" in request.fixturenames else None
+    job_id = request.getfixturevalue("allocation")
     deadline = time.monotonic() + 20
-    while True:
-        steps = job_steps(job_id) if job_id else []
-        shm = set(Path("/dev/shm").glob("planaria-*")) - shm_before
-        if not (steps or shm) or time.monotonic() > deadline:
-            break
+    while (steps := job_steps(job_id)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not steps, f"steps of the job left running: {steps}"
-    assert not shm, f"shared memory left: {sorted(map(str, shm))}"

@@ -54,8 +54,12 @@ def test_dry_run_prints_the_batch_script(tmp_path: Path) -> None:
     ]:
         assert line + "\n" in script, f"{line!r} missing from:\n{script}"
     assert "--chdir" not in script  # sbatch runs where the submission is made
-    cd, last = script.strip().splitlines()[-2:]
-    assert cd == f"cd -- {tmp_path} || exit 1"
+    lines = script.strip().splitlines()
+    assert f"cd -- {tmp_path} || exit 1" in lines
+    assert lines[-6] == (
+        f"if PLANARIA_MASTER_ADVERTISE=$({sys.executable} -m planaria_slurm.address); then"
+    )
+    last = lines[-1]
     assert last == (
         f"exec {sys.executable} -m planaria run {config} --set job.max_restarts=5 "
         f"--set scheduler.options.state_dir={tmp_path}/.planaria"

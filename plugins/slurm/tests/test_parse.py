@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
-from planaria_slurm.commands import parse_node_states, parse_steps
+from planaria_slurm.commands import parse_node_addresses, parse_node_states, parse_steps
 
 SINFO = """\
 node1|idle|none
@@ -36,9 +36,21 @@ def test_steps() -> None:
     assert parse_steps(text) == {"planaria.run.node-0": "7.0", "planaria.run.node-3": "7.12"}
 
 
+def test_node_addresses() -> None:
+    """``sinfo -h -N -o '%N|%o'``: the node's name and its NodeAddr."""
+    text = "node1|127.0.0.1\nnode2|10.0.0.12\nnode1|10.9.9.9\ngpu-3|gpu-3.ib\n|x\nnode9|\n"
+    assert parse_node_addresses(text) == {
+        "node1": "127.0.0.1",
+        "node2": "10.0.0.12",
+        "gpu-3": "gpu-3.ib",
+    }
+
+
 @given(st.text())
 def test_parsers_take_any_text(text: str) -> None:
     for status in parse_node_states(text).values():
         assert status.name and "|" not in status.name
+    for name, address in parse_node_addresses(text).items():
+        assert name and address and "|" not in name and "\n" not in address
     for step in parse_steps(text).values():
         assert "." in step and "|" not in step

@@ -53,10 +53,22 @@ NAMES = HOSTILE.map(_name)
 
 SH = [shell for shell in ("/bin/sh", shutil.which("bash")) if shell]
 
-# The stand-in for Python: what `exec python -m planaria run ...` hands it, NUL-separated.
+# The stand-in for Python. Asked for the batch host's address (planaria_slurm.address), it
+# answers PLANARIA_TEST_ADDRESS, or fails when that is unset; otherwise it records what
+# `exec python -m planaria run ...` hands it, NUL-separated, with the advertised address the
+# environment carries.
 RECORDER = """#!/bin/sh
-printf '%s\\0' "$PWD" "$0" "$@" > "$PLANARIA_TEST_RECORD"
+if [ "$2" = planaria_slurm.address ]; then
+    [ -n "${PLANARIA_TEST_ADDRESS+set}" ] || exit 2
+    printf '%s\\n' "$PLANARIA_TEST_ADDRESS"
+    exit 0
+fi
+printf '%s\\0' "$PWD" "${PLANARIA_MASTER_ADVERTISE-<unset>}" "$0" "$@" > "$PLANARIA_TEST_RECORD"
 """
+STALE = "stale-address-from-the-submitting-shell"
+"""What sbatch's environment may carry already: replaced, or unset when no address is found."""
+ADDRESSES = HOSTILE.map(lambda a: a.replace("\0", "").rstrip("\n"))
+"""Whatever the address step prints (a shell keeps no NUL, and drops trailing newlines)."""
 
 
 def _request(sandbox: Path, values: dict[str, Any]) -> SubmitRequest:
@@ -98,7 +110,7 @@ def _sbatch_block(script: str) -> list[str]:
     return lines
 
 
-def _run(script: str, sandbox: Path, shell: str) -> list[str]:
+def _run(script: str, sandbox: Path, shell: str, address: str | None = None) -> list[str]:
     path = sandbox / "batch.sh"
     path.write_text(script, encoding="utf-8")
     record = sandbox / "record"
@@ -107,7 +119,12 @@ def _run(script: str, sandbox: Path, shell: str) -> list[str]:
     done = subprocess.run(
         [shell, str(path)],
         cwd=start,
-        env={"PATH": os.environ["PATH"], "PLANARIA_TEST_RECORD": str(record)},
+        env={
+            "PATH": os.environ["PATH"],
+            "PLANARIA_TEST_RECORD": str(record),
+            "PLANARIA_MASTER_ADVERTISE": STALE,
+            **({} if address is None else {"PLANARIA_TEST_ADDRESS": address}),
+        },
         capture_output=True,
         timeout=30,
     )
@@ -133,6 +150,7 @@ def _run(script: str, sandbox: Path, shell: str) -> list[str]:
             "overrides": st.lists(HOSTILE, max_size=2),
             "state_dir": st.none() | st.tuples(st.booleans(), WORD | NAMES),
             "bad_nodes": st.lists(SOME, max_size=2),
+            "address": st.none() | ADDRESSES,
         }
     ),
     options=st.fixed_dictionaries(
@@ -207,13 +225,14 @@ def test_every_value_is_refused_naming_its_field_or_reaches_sbatch_and_the_shell
 
         wanted = [
             str(request.directory),
+            "<unset>" if values["address"] is None else values["address"],
             request.python,
             "-m", "planaria", "run", str(request.config),
             *[arg for override in request.overrides for arg in ("--set", override)],
             "--set", f"scheduler.options.state_dir={where}",
         ]  # fmt: skip
         for shell in SH:
-            assert _run(script, sandbox, shell) == wanted, (shell, script)
+            assert _run(script, sandbox, shell, values["address"]) == wanted, (shell, script)
         event("written and run")
         planted = [str(p) for p in sandbox.rglob(f"*{PLANTED}*") if p.name == PLANTED]
         assert planted == [], script

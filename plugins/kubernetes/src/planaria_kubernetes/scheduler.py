@@ -45,6 +45,7 @@ from planaria.plugin import (
     SchedulerError,
     poll_events,
 )
+from planaria.shm import TAG_ENV
 from planaria_kubernetes import api, pods
 from planaria_kubernetes.informer import Informer
 from planaria_kubernetes.options import KubernetesOptions, OwnerRef
@@ -495,6 +496,8 @@ class KubernetesScheduler(Scheduler[KubernetesOptions]):
         marker = os.environ.get(leftovers.VARIABLE)
         if marker:  # what the job starts on the cluster carries the run's marker
             extra[leftovers.VARIABLE] = marker
+        if tag := os.environ.get(TAG_ENV):  # and names its files in /dev/shm as the run does
+            extra[TAG_ENV] = tag
         owner = self._owner or self._pods_owner
         excluded = self._hostnames(avoid)
         bodies = [

@@ -48,6 +48,7 @@ from planaria.plugin import (
     poll_events,
 )
 from planaria.protocol import HOST_ENV, NODE_ID_ENV
+from planaria.shm import TAG_ENV
 from planaria_ray import cluster
 from planaria_ray.actor import NodeActor
 from planaria_ray.options import RayOptions
@@ -243,6 +244,17 @@ class RayScheduler(Scheduler[RayOptions]):
     def excluded_hosts(self) -> set[str]:
         return set(self._excluded)
 
+    def node_addresses(self) -> list[str]:
+        """The head node's host, where the cluster is joined (its nodes share its network);
+        ``127.0.0.1`` for the local cluster a run without ``address`` starts; none when the
+        address says nothing yet (``auto`` with no cluster started here)."""
+        if self.options.address is None:
+            return ["127.0.0.1"]
+        try:
+            return [cluster.gcs_endpoint(self.options.address)[0]]
+        except SchedulerError:
+            return []
+
     # -- the cluster ----------------------------------------------------------------------
 
     def _connect(self, count: int) -> None:
@@ -307,6 +319,8 @@ class RayScheduler(Scheduler[RayOptions]):
         marker = os.environ.get(leftovers.VARIABLE)
         if marker:  # what the job starts on the cluster carries the run's marker
             env.setdefault(leftovers.VARIABLE, marker)
+        if tag := os.environ.get(TAG_ENV):  # and names its files in /dev/shm as the run does
+            env.setdefault(TAG_ENV, tag)
         options: dict[str, Any] = {
             "num_cpus": self.options.num_cpus,
             "num_gpus": self.options.num_gpus,

@@ -148,6 +148,26 @@ def node_states(names: Sequence[str] | None = None) -> dict[str, NodeStatus]:
     return parse_node_states(run(args))
 
 
+def parse_node_addresses(text: str) -> dict[str, str]:
+    """``sinfo -h -N -o '%N|%o'`` lines (``node1|10.0.0.11``) -> {name: NodeAddr}; a node
+    listed twice keeps its first line, lines of another form are skipped."""
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        name, sep, address = line.strip().partition("|")
+        if sep and name and address.strip():
+            found.setdefault(name, address.strip())
+    return found
+
+
+def node_addresses(names: Sequence[str]) -> list[str]:
+    """Where Slurm reaches each of ``names`` (its ``NodeAddr``, which is the node's name
+    unless slurm.conf says otherwise), in order."""
+    if not names:
+        return []
+    found = parse_node_addresses(run(["sinfo", "-h", "-N", "-n", ",".join(names), "-o", "%N|%o"]))
+    return [found.get(name, name) for name in names]
+
+
 def job_steps(job_id: str) -> dict[str, str]:
     return parse_steps(run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j"]))
 

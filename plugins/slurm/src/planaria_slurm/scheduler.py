@@ -102,6 +102,18 @@ def allocation(options: SlurmOptions) -> str | None:
     return options.job_id or os.environ.get("SLURM_JOB_ID") or None
 
 
+def allocation_addresses(job_id: str | None) -> list[str]:
+    """The addresses of allocation ``job_id``'s nodes (:func:`commands.node_addresses`); none
+    when there is no allocation or Slurm cannot say (it is logged)."""
+    if job_id is None:
+        return []
+    try:
+        return commands.node_addresses(commands.job_nodes(job_id))
+    except SchedulerError as exc:
+        log.warning("cannot read the allocation's node addresses", job=job_id, error=str(exc))
+        return []
+
+
 class SlurmScheduler(Scheduler[SlurmOptions]):
     """Nodes are job steps of a Slurm allocation (see the module docstring)."""
 
@@ -265,6 +277,11 @@ class SlurmScheduler(Scheduler[SlurmOptions]):
 
     def excluded_hosts(self) -> set[str]:
         return set(self._excluded)
+
+    def node_addresses(self) -> list[str]:
+        """Where Slurm reaches the allocation's nodes (their ``NodeAddr``); none outside an
+        allocation, or when Slurm cannot say."""
+        return allocation_addresses(allocation(self.options))
 
     # -- the allocation -----------------------------------------------------------------
 

@@ -11,6 +11,12 @@ read by sbatch by its own rules (whitespace splits, quotes, backslashes and ``#`
 syntax, ``%`` is a pattern in a file name), so what goes there is one plain word, checked by
 the options model or here, and anything else is refused naming its field and the character.
 The working directory is no ``#SBATCH`` line at all: sbatch takes its own, where it runs.
+
+The master runs on the batch host, which nobody knows at submission: the script asks
+:mod:`planaria_slurm.address` for that host's address towards the allocation's nodes when it
+runs, and exports it as ``PLANARIA_MASTER_ADVERTISE`` (unset when it cannot tell), which a
+master bound to every interface with no ``master.advertise`` tells its agents. The address is
+a value the shell expands, never re-reads: no answer becomes code either.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 from planaria.errors import ConfigError, ConfigIssue
+from planaria.master.advertise import ADVERTISE_ENV
 from planaria.plugin import SchedulerError, SubmitRequest, SubmitResult
 from planaria_slurm import commands, state
 from planaria_slurm.options import SlurmOptions
@@ -91,12 +98,21 @@ def script(options: SlurmOptions, request: SubmitRequest) -> str:
         "--set",
         _word(f"scheduler.options.state_dir={where}", where_field),
     ]
+    address = [run[0], "-m", "planaria_slurm.address"]
     lines += [
         "",
         f"# Written by planaria submit: job {job}, {request.min_nodes}-"
         f"{request.max_nodes} node(s) of {request.procs_per_node} worker(s), "
         f"{options.spares} spare(s).",
         f"cd -- {shlex.quote(directory)} || exit 1",
+        "# The master runs here, on the batch host: this host's address that the allocation's",
+        "# nodes reach, for its agents where master.host binds every interface and",
+        "# master.advertise is not set.",
+        f"if {ADVERTISE_ENV}=$({shlex.join(address)}); then",
+        f"    export {ADVERTISE_ENV}",
+        "else",
+        f"    unset {ADVERTISE_ENV}",
+        "fi",
         f"exec {shlex.join(run)}",
         "",
     ]
