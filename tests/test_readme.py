@@ -57,6 +57,7 @@ def shown_commands() -> list[list[str]]:
     text = (ROOT / "README.md").read_text()
     commands = []
     for kind, block in SHOWN.findall(text):
+        block = re.sub(r"\\\n", " ", block)  # a line continued by a backslash is one command
         for line in block.splitlines():
             line = line.strip()
             if kind == "console":
@@ -65,8 +66,8 @@ def shown_commands() -> list[list[str]]:
                 line = line[2:]
             for part in re.split(r"&&|\|", line):
                 words = shlex.split(part, comments=True)
-                if words[:1] == ["planaria"]:
-                    commands.append(words[1:])
+                if "planaria" in words:  # also a launcher's: srun ... planaria run ...
+                    commands.append(words[words.index("planaria") + 1 :])
     return commands
 
 
