@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from planaria.shm import name_prefix
-
 MARK = "PLANARIA_FAULTS_MARK"
 SHM = Path("/dev/shm")
 STEP_LINE = "step "
@@ -294,6 +292,8 @@ class Trial:
         started = [e for e in self.events() if e["kind"] == "job_started"]
         if not started:
             return []
+        from planaria.shm import name_prefix  # here: the suite's refusals need no planaria
+
         prefix = f"{name_prefix()}{started[0]['data']['run_id']}-"
         deadline = time.monotonic() + (5 if wait else 0)
         while (found := sorted(SHM.glob(f"{prefix}*"))) and time.monotonic() < deadline:

@@ -158,7 +158,11 @@ BAD = [
     ("diagnosis: {checks: [host, host]}", "diagnosis", "both named 'host'"),
     ("diagnosis: {preflight: maybe}", "diagnosis.preflight", "valid boolean"),
     ("diagnosis: {straggler_factor: 0.5}", "diagnosis.straggler_factor", "greater than 1"),
-    ("scheduler: {backend: slurm}", "scheduler.backend", "not installed. Choose one of: local"),
+    (
+        "scheduler: {backend: slurm}",
+        "scheduler.backend",
+        "not installed. Choose one of: external, local",
+    ),
     (
         "checkpoint: {storage: {backend: fsspec}}",
         "checkpoint.storage.backend",

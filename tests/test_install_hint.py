@@ -85,7 +85,7 @@ def test_a_missing_plugins_error_says_what_to_install(monkeypatch):
     with pytest.raises(PluginNotFoundError) as exc:
         PluginManager.from_entry_points().resolve(PluginKind.SCHEDULER, "slurm")
     said = str(exc.value)
-    assert "scheduler 'slurm' is not installed. Choose one of: local" in said
+    assert "scheduler 'slurm' is not installed. Choose one of: external, local" in said
     assert "or install it: pip install planaria-slurm (from this checkout: " in said
     assert _checkout_command(said)[-1] == str(ROOT / "plugins" / "slurm")
 
@@ -125,7 +125,7 @@ def test_a_missing_schedulers_command_says_what_to_install(tmp_path):
     assert "No such command" not in said
     assert said.startswith(
         "error: 'planaria kubernetes' comes with the kubernetes scheduler: scheduler "
-        "'kubernetes' is not installed. Choose one of: local; or install it: pip install "
+        "'kubernetes' is not installed. Choose one of: external, local; or install it: pip install "
         f"planaria-kubernetes (from this checkout: {sys.executable} -m pip install -e "
         f"{ROOT}/plugins/kubernetes)"
     ), said
