@@ -117,7 +117,8 @@ def test_unknown_name_lists_installed_ones_and_the_package_to_install(plugin_pat
         manager.resolve(PluginKind.CHECKPOINT_STORAGE, "fsspec")
     with pytest.raises(PluginNotFoundError) as exc:  # no such distribution: nothing to install
         manager.resolve(PluginKind.SCHEDULER, "nosuchcluster")
-    assert "pip install" not in str(exc.value) and "Choose one of: local" in str(exc.value)
+    said = str(exc.value)
+    assert "pip install" not in said and "Choose one of: external, local" in said
     for name in ("slurm", "ray", "kubernetes"):  # this repository's schedulers
         with pytest.raises(PluginNotFoundError, match=f"pip install planaria-{name}"):
             manager.resolve(PluginKind.SCHEDULER, name)
