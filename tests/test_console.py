@@ -237,6 +237,35 @@ def test_two_pipes_share_one_capped_log_and_only_the_shown_one_reaches_the_conso
     assert not Path(f"{path}.2").exists()
 
 
+def test_two_streams_in_one_log_are_never_torn_into_each_others_lines(tmp_path):
+    """An unbuffered print writes a line's text and its newline apart: the other stream's line
+    must not land between them."""
+    pump = LogPump(LogLimits())
+    path = tmp_path / "rank-0.log"
+    try:
+        out = pump.pipe(path)
+        err = pump.pipe(path)
+        for i in range(50):  # each write apart, as the pump reads them
+            os.write(out, f"out {i}".encode())
+            time.sleep(0.002)
+            os.write(err, f"err {i}\n".encode())
+            time.sleep(0.002)
+            os.write(out, b"\n")
+        os.write(out, b"no newline at the end")
+        os.close(out)
+        os.close(err)
+        deadline = time.monotonic() + 10
+        while "no newline" not in path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        pump.close()
+    lines = path.read_text().split("\n")
+    assert lines[-1] == "no newline at the end"
+    assert sorted(lines[:-1]) == sorted(
+        [f"out {i}" for i in range(50)] + [f"err {i}" for i in range(50)]
+    )
+
+
 def test_a_failed_ranks_tail_is_its_last_lines_within_a_bound():
     text = "\n".join(f"line {i}" for i in range(100)) + "\n"
     assert tail_of(text).splitlines() == [f"line {i}" for i in range(85, 100)]

@@ -23,7 +23,7 @@ import errno
 import os
 import select
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from planaria.agent.console import ConsoleBuffer
@@ -59,6 +59,14 @@ class Source:
 class _Pipe:
     log: RotatingLog
     source: Source | None
+    partial: bytearray = field(default_factory=bytearray)
+    """The end of a line not yet in the log, held while another pipe (the worker's other
+    stream) shares the log, so that two streams' lines are never torn into each other (an
+    unbuffered ``print`` writes a line's text and its newline apart)."""
+
+
+HOLD = 1 << 16
+"""The most of a line held back from a shared log: a longer one goes in as it is."""
 
 
 class RotatingLog:
@@ -196,15 +204,33 @@ class LogPump:
             except OSError:
                 data = b""
             if not data:  # every writer is gone
+                if pipe.partial:
+                    self._to_log(pipe, b"", final=True)
                 if source is not None and console is not None:
                     console.end(fd, source.rank, source.stream)
                 self._logs.pop(fd, None)
                 self._release(pipe)
                 os.close(fd)
                 return
-            pipe.log.write(data)
+            self._to_log(pipe, data)
             if source is not None and console is not None:
                 console.feed(fd, source.rank, source.stream, data)
+
+    def _to_log(self, pipe: _Pipe, data: bytes, final: bool = False) -> None:
+        """Append ``data`` to the pipe's log (lock held): whole lines only while another pipe
+        shares the log; the rest when the pipe ends, or once more than :data:`HOLD` waits."""
+        shared = any(o is not pipe and o.log is pipe.log for o in self._logs.values())
+        if not shared and not pipe.partial:
+            pipe.log.write(data)
+            return
+        pipe.partial += data
+        if final or not shared or len(pipe.partial) > HOLD:
+            end = len(pipe.partial)
+        else:
+            end = max(pipe.partial.rfind(b"\n"), pipe.partial.rfind(b"\r")) + 1
+        if end > 0:
+            pipe.log.write(bytes(pipe.partial[:end]))
+            del pipe.partial[:end]
 
     def _run(self) -> None:
         poller = select.poll()
@@ -239,6 +265,8 @@ class LogPump:
             for fd, pipe in list(self._logs.items()):
                 self._copy(fd, pipe)
                 if fd in self._logs:
+                    if pipe.partial:
+                        self._to_log(pipe, b"", final=True)
                     self._logs.pop(fd)
                     self._release(pipe)
                     os.close(fd)
