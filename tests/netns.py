@@ -24,14 +24,15 @@ def netns_available() -> None:
 
 @pytest.fixture
 def network(netns_available: None) -> Iterator[Callable[..., Network]]:
-    """``network("master", "n0", "n1")`` makes a :class:`Network` with those participants.
+    """``network("master", "n0", "n1")`` makes a :class:`Network` with those participants
+    (``host=True``: the machine joins it too, see :class:`Network`).
 
     Teardown removes every network made, whatever the test did; a process still inside one
     then (the test should have ended everything it started) is killed and fails the test."""
     made: list[Network] = []
 
-    def make(*names: str) -> Network:
-        net = Network(names)
+    def make(*names: str, host: bool = False) -> Network:
+        net = Network(names, host=host)
         made.append(net)
         net.create()
         return net

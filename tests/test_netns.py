@@ -112,6 +112,34 @@ def test_participants_reach_each_other_until_cut_and_again_once_healed(
         net.address("z")
 
 
+def test_a_network_that_joins_the_host_is_reached_from_it_and_leaves_no_link(
+    network: MakeNetwork,
+) -> None:
+    """The machine itself on the bridge: a daemon here (a controller, a driver) and the nodes
+    in their namespaces reach each other by routable addresses; the host's link goes with the
+    network, and a cut of the host silences it both ways."""
+    net = network("a", "b", host=True)
+    assert net.host_address == f"10.214.{net.subnet}.254"
+    assert net.address("host") == net.host_address and net.exec("host", ["true"]) == ["true"]
+    assert probe(net, "a", "host") == "ConnectionRefusedError"
+    assert probe(net, "host", "b") == "ConnectionRefusedError"
+    route = subprocess.run(
+        ["ip", "-4", "route", "get", net.address("a")], capture_output=True, text=True, check=True
+    ).stdout
+    assert f"dev {net.host_link} src {net.host_address}" in route
+    # A second network never shares the first one's subnet: both are routes of this machine.
+    other = network("c", host=True)
+    assert other.subnet != net.subnet
+    net.cut("host")
+    assert probe(net, "host", "a") == "timeout" and probe(net, "b", "host") == "timeout"
+    net.heal("host")
+    assert probe(net, "b", "host") == "ConnectionRefusedError"
+    link = net.host_link
+    assert net.close() == []
+    shown = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    assert f" {link}@" not in shown and f" {link}:" not in shown
+
+
 def test_an_established_connection_stalls_through_a_cut_and_resumes(
     network: MakeNetwork,
 ) -> None:

@@ -27,6 +27,16 @@ Two kinds of cut:
 - ``down``: the hub's end of the veth pair goes down, so the participant's ``eth0`` loses its
   carrier, the way a pulled cable looks to the host itself (its kernel knows the link is down).
 
+``Network(names, host=True)`` also joins the creator's own namespace (the machine's, for a test
+run as usual) to the bridge: a veth pair whose outer end, ``pl-<tag>-h``, holds
+``10.214.<k>.254/24``. Then a daemon or a master on this machine reaches every participant, and
+they reach it, by a routable address of its own (:attr:`Network.host_address`), as the nodes of
+a real cluster reach a login host: a Slurm controller, a Ray driver or an API server can stay
+on this machine while each node is a host of its own. This is the one link the module adds to
+the creator's namespace; ``<k>`` is then chosen so that no address of that namespace is in the
+subnet, and deleting the hub removes the link with its veth pair. :meth:`Network.cut` of
+``"host"`` separates the machine from the participants.
+
 Teardown (:meth:`Network.close`, also on leaving the ``with`` block) always removes
 everything: it kills every process still in one of the namespaces (``ip netns pids``), then
 deletes the namespaces. Each network is recorded under :data:`REGISTRY` with its creator's pid;
@@ -60,6 +70,9 @@ REGISTRY = Path("/run/planaria-netns")
 namespaces, one a line."""
 BRIDGE = "br0"
 INTERFACE = "eth0"
+HOST = "host"
+"""The name of the creator's own namespace in a network made with ``host=True``."""
+HOST_NUMBER = 254
 IFNAMSIZ = 15
 """The kernel's limit on a link name (and what this module keeps namespace names within)."""
 KILL_WAIT = 10.0
@@ -134,7 +147,7 @@ class Network:
     :meth:`create` and then, always, :meth:`close`.
     """
 
-    def __init__(self, names: Sequence[str]) -> None:
+    def __init__(self, names: Sequence[str], *, host: bool = False) -> None:
         if not names:
             raise ValueError("a network needs at least one participant")
         if len(set(names)) != len(names):
@@ -143,16 +156,21 @@ class Network:
             raise ValueError(f"{len(names)} participants do not fit a /24: at most 253")
         longest = IFNAMSIZ - len(PREFIX) - _TAG_LEN - 1
         for name in names:
-            if not _NAME.fullmatch(name) or len(name) > longest or name == "hub":
+            if not _NAME.fullmatch(name) or len(name) > longest or name in ("hub", HOST):
                 raise ValueError(
                     f"participant name {name!r}: use 1 to {longest} lower-case letters, digits "
-                    "or dashes (not 'hub'), so that its namespace name fits 15 characters"
+                    f"or dashes (not 'hub' or {HOST!r}), so that its namespace name fits 15 "
+                    "characters"
                 )
         self.tag = ""
         self.subnet = random.randrange(256)
         self.names = list(names)
         self.members: dict[str, Member] = {}
         self.hub = ""
+        self.joins_host = host
+        self.host: Member | None = None
+        """The creator's namespace's end of the bridge, with ``host=True`` (its ``netns`` is
+        empty: commands for it run as they are)."""
         self._created: list[str] = []
 
     # -- life -------------------------------------------------------------------------------
@@ -177,6 +195,8 @@ class Network:
         sweep_stale()
         self.tag = self._free_tag()
         self.hub = f"{PREFIX}{self.tag}-hub"
+        if self.joins_host:
+            self.subnet = _free_subnet()
         self.members = {
             name: Member(
                 name=name,
@@ -194,11 +214,15 @@ class Network:
             _ip("-n", self.hub, "link", "set", BRIDGE, "up")
             for member in self.members.values():
                 self._add_member(member)
-            for member in self.members.values():
-                for other in self.members.values():
+            if self.joins_host:
+                self.host = self._add_host()
+            everyone = [*self.members.values(), *([self.host] if self.host else [])]
+            for member in everyone:
+                for other in everyone:
                     if other is not member:
-                        _ip("-n", member.netns, "neigh", "replace", other.address, "lladdr",
-                            other.mac, "dev", INTERFACE, "nud", "permanent")  # fmt: skip
+                        link = INTERFACE if member.netns else self.host_link
+                        _ip(*_in(member.netns), "neigh", "replace", other.address, "lladdr",
+                            other.mac, "dev", link, "nud", "permanent")  # fmt: skip
         except BaseException:
             self.close()
             raise
@@ -229,6 +253,36 @@ class Network:
         _ip("-n", member.netns, "addr", "add", f"{member.address}/24", "dev", INTERFACE)
         _ip("-n", member.netns, "link", "set", INTERFACE, "up")
 
+    def _add_host(self) -> Member:
+        """The veth pair from the hub's bridge to the creator's namespace (see the module
+        docstring)."""
+        host = Member(
+            name=HOST,
+            netns="",
+            address=f"{SUBNET}.{self.subnet}.{HOST_NUMBER}",
+            veth=f"v-{HOST}",
+            mac=f"02:d6:{self.subnet:02x}:00:{HOST_NUMBER:02x}:01",
+        )
+        outer = self.host_link
+        _ip("link", "add", outer, "address", host.mac, "type", "veth", "peer", "name",
+            host.veth, "netns", self.hub)  # fmt: skip
+        _ip("-n", self.hub, "link", "set", host.veth, "master", BRIDGE, "up")
+        _ip("addr", "add", f"{host.address}/24", "dev", outer)
+        _ip("link", "set", outer, "up")
+        return host
+
+    @property
+    def host_link(self) -> str:
+        """The name of the host's end of its veth pair, in the creator's namespace."""
+        return f"{PREFIX}{self.tag}-h"
+
+    @property
+    def host_address(self) -> str:
+        """The creator's namespace's address on the bridge (a network made with ``host=True``)."""
+        if self.host is None:
+            raise NetnsError("this network does not join the host: make it with host=True")
+        return self.host.address
+
     def close(self) -> list[int]:
         """Kill every process left in the namespaces, delete them, forget the network. Returns
         the pids it had to kill (a test asserts none). Safe to call twice."""
@@ -239,6 +293,15 @@ class Network:
                 killed += kill_processes(name)
             except NetnsError as exc:
                 errors.append(str(exc))
+        if self.host is not None:
+            # Deleted here, not left to the hub's end: a namespace is destroyed by the kernel in
+            # the background, and its links with it, a moment after `ip netns del` returns.
+            try:
+                _ip("link", "del", self.host_link)
+            except NetnsError as exc:
+                if self.host_link in _ip("-o", "link", "show"):
+                    errors.append(str(exc))
+            self.host = None
         for name in reversed(self._created):
             try:
                 _ip("netns", "del", name)
@@ -255,6 +318,8 @@ class Network:
     # -- use --------------------------------------------------------------------------------
 
     def __getitem__(self, name: str) -> Member:
+        if name == HOST and self.host is not None:
+            return self.host
         try:
             return self.members[name]
         except KeyError:
@@ -270,8 +335,9 @@ class Network:
 
     def exec(self, name: str, argv: Sequence[str]) -> list[str]:
         """The command line that runs ``argv`` inside ``name``'s namespace (same pid:
-        ``ip netns exec`` execs the command)."""
-        return ["ip", "netns", "exec", self.netns(name), *argv]
+        ``ip netns exec`` execs the command); ``argv`` itself for the host."""
+        netns = self.netns(name)
+        return ["ip", "netns", "exec", netns, *argv] if netns else list(argv)
 
     def cut(self, name: str, how: str = "drop") -> None:
         """Separate ``name`` from every other participant: ``drop`` (silently, as in a real
@@ -298,6 +364,21 @@ class Network:
         """The processes in ``name``'s namespace, or in any of this network's."""
         names = [self.netns(name)] if name else list(self._created)
         return [pid for ns in names for pid in netns_pids(ns)]
+
+
+def _in(netns: str) -> list[str]:
+    """``ip``'s arguments that run it in ``netns`` (none for the creator's own)."""
+    return ["-n", netns] if netns else []
+
+
+def _free_subnet() -> int:
+    """A ``<k>`` of ``10.214.<k>.0/24`` that no address of the creator's namespace is in."""
+    shown = _ip("-4", "-o", "addr", "show")
+    taken = {int(k) for k in re.findall(rf"inet {re.escape(SUBNET)}\.(\d+)\.", shown)}
+    free = [k for k in range(256) if k not in taken]
+    if not free:
+        raise NetnsError(f"every {SUBNET}.<k>.0/24 is in use on this machine")
+    return random.choice(free)
 
 
 # -- processes and leftovers --------------------------------------------------------------------
