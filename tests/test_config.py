@@ -108,6 +108,13 @@ def test_defaults_only(tmp_path):
 
 BAD = [
     ("job: {nodes: '4:2'}", "job.nodes", "min (4) is greater than max (2)"),
+    ("master: {advertise: 0.0.0.0}", "master.advertise", "no address an agent can connect to"),
+    (
+        "master: {advertise: 'https://login1:29400'}",
+        "master.advertise",
+        "neither an IP address nor a host name (no scheme, port",
+    ),
+    ("master: {advertise: 'login 1'}", "master.advertise", "neither an IP address nor a host"),
     ("job: {nodes: two}", "job.nodes", "invalid node count 'two'"),
     ("job: {nodes: 0}", "job.nodes.min", "greater than or equal to 1"),
     ("job: {procs_per_nod: 2}", "job.procs_per_nod", "did you mean 'procs_per_node'"),

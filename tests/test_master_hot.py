@@ -41,7 +41,10 @@ async def with_hot_master(tmp_path: Path, body, limits=None, hold: float = 0.2, 
     runner, port = await serve(app, "127.0.0.1", 0, context)
     job = asyncio.ensure_future(supervise(master, IDLE))
     try:
-        await asyncio.sleep(0.2)  # launched
+        deadline = time.monotonic() + 30
+        while "node-0" not in master.nodes:  # launched (slow on a busy machine)
+            assert time.monotonic() < deadline, "the idle node was never launched"
+            await asyncio.sleep(0.02)
         assert app[BOOK].hot is not None, "the lean path is off with this aiohttp"
         if not tls:
             conn = await Connection.open(port)
@@ -487,7 +490,7 @@ def test_a_journal_that_fails_gets_no_heartbeat_an_ok(tmp_path):
             conn = await Connection.open(port)
             assert (await conn.exchange(WARM)).startswith(b"HTTP/1.1 200")
             saved = book.hot
-            master.journal_write = broken
+            master.journal_commit = broken
             if not lean:
                 book.hot = None
             try:
@@ -495,7 +498,7 @@ def test_a_journal_that_fails_gets_no_heartbeat_an_ok(tmp_path):
                 assert await conn.closed()
             finally:
                 book.hot = saved
-                del master.journal_write
+                del master.journal_commit
                 conn.close()
         assert book.hot.taken == 1
         for answer in answers:

@@ -26,12 +26,12 @@ R = TypeVar("R", bound=BaseModel)
 log = get_logger("agent")
 
 MAX_DELAY = 1.0
+"""The longest wait between two tries: a restarted master hears from every agent soon."""
 NOT_YET_PATIENCE = 1800.0
 """How long an agent keeps asking while the master answers "not yet" (503: its node's launch is
 in flight). The master is there and says so; its launch is what bounds the wait: a scheduler
 that returns once every node runs (kubernetes, until images are pulled: its
 ``start_timeout``) keeps the first agents waiting that long."""
-"""The longest wait between two tries: a restarted master hears from every agent soon."""
 
 
 class MasterUnreachable(PlanariaError):
@@ -42,7 +42,7 @@ class MasterRejected(PlanariaError):
     """The master answered with an error (bad token, bad request, unknown node)."""
 
 
-class Fenced(MasterRejected):
+class FencedOut(MasterRejected):
     """The master declared this node lost: its workers must stop."""
 
 
@@ -115,7 +115,7 @@ class MasterClient:
                     await self.reattach()
                     continue
                 if status == 410:
-                    raise Fenced(f"the master fenced this node out of the job: {text}")
+                    raise FencedOut(f"the master fenced this node out of the job: {text}")
                 if status == 503:
                     raise _NotYet(text)
                 if status != 200:

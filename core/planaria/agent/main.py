@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 from planaria.agent import address
 from planaria.agent.address import ADDR_ENV, free_port
 from planaria.agent.checkpoints import NodeCheckpoints
-from planaria.agent.client import Fenced, MasterClient, MasterUnreachable
+from planaria.agent.client import FencedOut, MasterClient, MasterUnreachable
 from planaria.agent.console import INTERVAL, ConsoleBuffer, batches, console_streams
 from planaria.agent.preflight import preflight
 from planaria.agent.worker_logs import LogLimits
@@ -611,7 +611,7 @@ async def main(
     except asyncio.CancelledError:
         log.info("agent stopped by signal")
         return 143
-    except Fenced as exc:
+    except FencedOut as exc:
         log.error("fenced by the master: workers stopped", reason=str(exc))
         return 3
     except MasterUnreachable as exc:

@@ -568,6 +568,29 @@ class MasterSection(Section):
         "$PLANARIA_MASTER_ADVERTISE, else the address it reaches the nodes' machines from, "
         "else its default route's, else its name, and says which)",
     )
+
+    @field_validator("advertise")
+    @classmethod
+    def _reachable(cls, value: str | None) -> str | None:
+        """What agents are told goes into a URL and the job's certificate as it is: an IP
+        address or a DNS name, never a wildcard, a URL or host:port (the port is master.port)."""
+        from planaria.master.advertise import carried_name, is_wildcard
+
+        if value is None:
+            return None
+        value = value.strip()
+        if not value or is_wildcard(value):
+            raise ValueError(
+                f"{value!r} is no address an agent can connect to: name this machine's address "
+                "or name that the nodes reach, or leave it out to let the master choose"
+            )
+        if not carried_name(value):
+            raise ValueError(
+                f"{value!r} is neither an IP address nor a host name (no scheme, port or path: "
+                "the port is master.port)"
+            )
+        return value
+
     tls: bool | None = Field(
         default=None,
         description=(

@@ -51,7 +51,8 @@ class JobControl(Protocol):
 
     def heard_from(self, node_id: str, *, fence: bool = True) -> Node:
         """The node that just spoke (its heartbeat window starts again); UnknownNode if unknown.
-        One declared lost is told to stop (``fence``: :class:`~planaria.master.state.Fenced`)."""
+        One declared lost is told to stop (``fence``:
+        :class:`~planaria.master.state.FencedRequest`)."""
         ...
 
     def replacing(self) -> bool:

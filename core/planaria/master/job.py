@@ -37,7 +37,7 @@ from planaria.master.recovery import Recovery
 from planaria.master.rounds import Rounds
 from planaria.master.state import (
     BadReport,
-    Fenced,
+    FencedRequest,
     Held,
     JobSettings,
     JobState,
@@ -135,7 +135,7 @@ class Master:
         self.preflight = Preflight(self, settings.diagnosis.preflight)
         self.fleet.grace = self.spec.master_grace
         self.journal: Journal | None = None
-        self._journal_write: asyncio.Future[None] | None = None
+        self._journal_commit: asyncio.Future[None] | None = None
         self._told_fenced: set[str] = set()
         self.fence = Fence(self.spec.checkpoint)
         self._down: float | None = None
@@ -154,7 +154,7 @@ class Master:
         for node in self.nodes.values():
             node.on_change = journal.node_changed
             journal.node_changed(node.node_id)
-        self.write_journal()
+        self.journal_now()
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -174,8 +174,9 @@ class Master:
             "fence": self.fence.generation,
         }
 
-    def write_journal(self) -> None:
-        """Write what changed since the last write (after each request and tick). Once the
+    def journal_now(self) -> None:
+        """Write what changed since the last write, now (after each tick; a request's changes
+        go in the next group commit, :meth:`journal_commit`). Once the
         job has ended a failed write is no error: the end mark holds the end (see
         :mod:`planaria.master.journal`), and the summary names what was not written."""
         if self.journal is None:
@@ -197,31 +198,31 @@ class Master:
             log.error("cannot write the run's record", file=name, error=why)
         self.not_written[name] = why
 
-    async def journal_written(self) -> None:
+    async def journal_committed(self) -> None:
         """Return once what changed so far is in the journal. The requests answered in one
         turn of the loop share one write, so thousands of nodes joining at once cost a few
         transactions (and fsyncs), not one each."""
-        written = self.journal_write()
+        written = self.journal_commit()
         if written is not None:
             # Shielded: a request given up (its client gone) must not cancel the others' write.
             await asyncio.shield(written)
 
-    def journal_write(self) -> asyncio.Future[None] | None:
-        """The journal's next write, done once what changed so far is in the journal (see
-        :meth:`journal_written`); None without a journal. Not to be cancelled: it is shared."""
+    def journal_commit(self) -> asyncio.Future[None] | None:
+        """The journal's next group commit, done once what changed so far is in the journal (see
+        :meth:`journal_committed`); None without a journal. Not to be cancelled: it is shared."""
         if self.journal is None:
             return None
-        if self._journal_write is None:
+        if self._journal_commit is None:
             loop = asyncio.get_running_loop()
-            self._journal_write = loop.create_future()
-            loop.call_soon(self._write_journal_now)
-        return self._journal_write
+            self._journal_commit = loop.create_future()
+            loop.call_soon(self._commit_journal)
+        return self._journal_commit
 
-    def _write_journal_now(self) -> None:
-        done, self._journal_write = self._journal_write, None
+    def _commit_journal(self) -> None:
+        done, self._journal_commit = self._journal_commit, None
         assert done is not None
         try:
-            self.write_journal()
+            self.journal_now()
         except Exception as exc:
             done.set_exception(exc)
         else:
@@ -391,7 +392,7 @@ class Master:
                 "told to stop its workers",
                 node=node.node_id,
             )
-        raise Fenced(
+        raise FencedRequest(
             f"node {node.node_id} was declared lost and is fenced out of the job: stop its "
             "workers (another node may be training in its place)"
         )

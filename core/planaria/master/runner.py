@@ -89,7 +89,7 @@ async def supervise(master: Master, launch: LaunchSpec | None) -> Summary:
         if not master.stopping:
             master.tick(now, ticked)
             try:
-                master.write_journal()
+                master.journal_now()
                 failing = ""
             except (sqlite3.Error, OSError) as exc:  # a full disk: training goes on
                 if str(exc) != failing:
@@ -103,7 +103,7 @@ async def supervise(master: Master, launch: LaunchSpec | None) -> Summary:
     # Replacements asked before the end come back first: nothing of the job's may write to
     # its timeline once this returns (the caller closes it).
     await master.fleet.close()
-    master.write_journal()
+    master.journal_now()
     return master.summary()
 
 

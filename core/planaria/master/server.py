@@ -34,7 +34,7 @@ from planaria.master.routes import JSON, ROUTES, Context, Route, UnknownRoute
 from planaria.master.state import (
     BadReport,
     Conflict,
-    Fenced,
+    FencedRequest,
     Held,
     NotAttached,
     RegistrationRefused,
@@ -326,7 +326,7 @@ class _Hot:
         guard.handler_left()
         # On disk before it is answered, as every request (``timed``).
         try:
-            written = self.context.master.journal_write()
+            written = self.context.master.journal_commit()
         except Exception as exc:
             self._written(guard, route, answer, exc)
             return
@@ -556,7 +556,7 @@ def _refusal(exc: Exception, method: str, path: str) -> web.Response:
     """The answer to a request whose serving raised ``exc`` (called in its ``except``)."""
     if isinstance(exc, BadRequest):
         return exc.response
-    if isinstance(exc, Fenced):
+    if isinstance(exc, FencedRequest):
         return _error(410, str(exc))
     if isinstance(exc, NotAttached):
         return _error(409, f"node {exc.args[0]!r}: re-attach first (a new master)")
@@ -618,7 +618,7 @@ def make_app(
                 guard.handler_left()
             # What the request changed is on disk before it is answered: one write for all
             # the requests answered in this turn of the loop (a group commit).
-            await master.journal_written()
+            await master.journal_committed()
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:

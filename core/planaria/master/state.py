@@ -47,7 +47,7 @@ class RegistrationRefused(PermissionError):
         self.retry = retry
 
 
-class Fenced(PermissionError):
+class FencedRequest(PermissionError):
     """A request from a node the master declared lost: it must stop (its replacement may be
     training in its place)."""
 
