@@ -145,6 +145,8 @@ def test_line_is_cut_before_the_script_and_read_as_torchrun_does(args, expected)
         (("--nnodes",), ["--nnodes", "requires an argument"]),
         (("--lr", "0.1", "t.py"), ["No such option", "--lr"]),
         (("--rdzv-conf", "x=1", "t.py"), ["--rdzv-conf", "rendezvous section"]),
+        # refused on every line, not only one with --rdzv-endpoint
+        (("--rdzv-backend", "etcd", "t.py"), ["--rdzv-backend", "'etcd'", "c10d, static"]),
         (("--node-rank", "-1", "t.py"), ["--node-rank"]),
         (("-r", "4", "t.py"), ["'-r'", "0 (neither), 1 (stdout), 2 (stderr) or 3 (both)"]),
         (("--tee", "0:x", "t.py"), ["'-t' / '--tee'", "'0:x'", "LOCAL_RANK:STREAMS"]),
@@ -247,7 +249,7 @@ def test_nproc_auto_without_a_gpu_is_the_cpus_and_gpu_is_refused():
 
 def test_bad_lines_exit_2_naming_the_flag(cli):
     for args, says in [
-        (("--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1", "t.py"), "--rdzv-backend 'etcd'"),
+        (("--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1", "t.py"), "'etcd'"),
         (("--rdzv-endpoint", "h:1", "--master-port", "2", "t.py"), "--master-port"),
         (("--rdzv-endpoint", "h:99999", "t.py"), "port 99999"),
         (("--node-rank", "1", "t.py"), "--node-rank needs --rdzv-endpoint"),
@@ -278,3 +280,52 @@ def test_a_job_started_torchruns_way_trains_on_2_nodes_of_2_workers(tmp_path, ma
     finished = [e for e in timeline if e["kind"] == "job_finished"]
     assert finished, timeline
     assert re.search(r"steps done\W+10\b", result.stdout), result.stdout  # --steps reached it
+
+
+# -- the README's table of torchrun's flags -------------------------------------------------------
+
+ROW = re.compile(r"^\| (`-.*?) \| (supported|ignored|refused)\b(.*) \|$", re.MULTILINE)
+
+
+def readme_flags() -> list[tuple[list[str], str, str]]:
+    """The README's rows: the example's words (the first in backticks), what planaria does,
+    and the rest of the row."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    rows = []
+    for flags, verdict, rest in ROW.findall(text):
+        example = re.findall(r"`([^`]+)`", flags)[0].split()
+        rows.append((example, verdict, rest.removeprefix(":").strip()))
+    return rows
+
+
+def test_the_readme_names_every_flag_of_torchrun():
+    run = pytest.importorskip("torch.distributed.run")
+    theirs = {
+        name
+        for action in run.get_args_parser()._actions
+        for name in action.option_strings
+        if name not in ("-h", "--help") and "_" not in name
+    }
+    ours = {word for words, _, _ in readme_flags() for word in words if word.startswith("-")}
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    shown = set(re.findall(r"^\| ([^|]*) \|", text, re.MULTILINE))
+    named = {flag for cell in shown for flag in re.findall(r"`(-[-\w]+)", cell)}
+    assert len(readme_flags()) >= 30
+    assert theirs - named == set(), "torchrun flags the README's table leaves out"
+    assert ours <= theirs | {"--run-id"}
+
+
+@pytest.mark.parametrize(
+    ("example", "verdict", "why"), readme_flags(), ids=[r[0][0] for r in readme_flags()]
+)
+def test_each_torchrun_flag_does_what_the_readme_says(example, verdict, why):
+    """A supported or ignored flag is taken (with the README's example value); a refused one
+    is refused with the README's reason."""
+    if verdict != "refused":
+        given = parse(*example, "t.py")
+        assert given["command"] == ["t.py"], given
+        return
+    with pytest.raises(Exception) as caught:
+        parse(*example, "t.py")
+    assert getattr(caught.value, "exit_code", None) == 2, caught.value
+    assert " ".join(why.split()) in " ".join(caught.value.format_message().split())

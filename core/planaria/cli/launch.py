@@ -36,20 +36,25 @@ META_LITERAL = "planaria.literal_command"
 """Key in the click context: the command came after ``--`` and is run as written."""
 
 UNSUPPORTED = {
-    "--rdzv-conf": "set the rendezvous section instead, e.g. --set rendezvous.join_grace=5s",
+    "--rdzv-conf": "set the rendezvous section instead, e.g. --set rendezvous.join_timeout=15m "
+    "for torchrun's join_timeout",
     "--start-method": "workers start from a warm interpreter, or are exec'd",
+    "--event-log-handler": "events go to the run's events.jsonl and to planaria_job_event plugins",
     "--role": "a job has one role",
     "--run-path": "workers are separate processes, restarted in place",
-    "--local-addr": "a node's address comes from the scheduler (set master.advertise for the "
-    "master's)",
+    "--duplicate-stdout-filters": "each rank's whole output is in its log (logs/rank-N.log)",
+    "--duplicate-stderr-filters": "each rank's whole output is in its log (logs/rank-N.log)",
+    "--local-addr": "a node's address is that of its route to the master; PLANARIA_ADDR in "
+    "the node's environment chooses another",
     "--logs-specs": "logs are the run's logs/ directory",
-    "--event-log-handler": "events go to the run's events.jsonl and to planaria_job_event plugins",
-    "--numa-binding": "not supported",
-    "--virtual-local-rank": "not supported",
+    "--numa-binding": "bind the node's task instead (srun --cpu-bind, numactl), which its "
+    "workers inherit",
     "--signals-to-handle": "the agent forwards SIGTERM and SIGINT to the workers",
-    "--duplicate-stdout-filters": "not supported",
-    "--duplicate-stderr-filters": "not supported",
+    "--virtual-local-rank": "every worker sees the node's GPUs (CUDA_VISIBLE_DEVICES) and takes "
+    "cuda:LOCAL_RANK",
 }
+"""torchrun's flags that ``planaria run`` refuses, and why (README's "torchrun users" table
+shows the same reasons)."""
 
 
 def _spellings(*names: str) -> tuple[str, ...]:
@@ -318,11 +323,24 @@ RdzvEndpointOption = Annotated[
         show_default=False,
     ),
 ]
+
+
+def _backend(value: str | None) -> str | None:
+    """Checked on every line, not only one with ``--rdzv-endpoint``: an ``etcd`` line must not
+    run as if its backend were honoured."""
+    from planaria.cli.rendezvous import BACKENDS
+
+    if value is not None and value not in BACKENDS:
+        raise typer.BadParameter(f"{value!r}: expected one of {', '.join(BACKENDS)}")
+    return value
+
+
 RdzvBackendOption = Annotated[
     Optional[str],  # noqa: UP045
     typer.Option(
         *_spellings("--rdzv-backend"),
         metavar="c10d|static|planaria",
+        callback=_backend,
         help="accepted for torchrun's lines: planaria's master forms every round",
         show_default=False,
     ),
