@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from kubernetes.client import CoreV1Api
 from kubernetes.client.exceptions import ApiException
 
 from planaria.process import running
+from planaria.testing import netns
 from planaria_kubernetes.testing import EmulatedCluster
 
 NS = "planaria"
@@ -249,7 +251,8 @@ def test_exit_code_and_kill_from_outside(cluster: EmulatedCluster, v1: CoreV1Api
 
     wait_phase(cluster, "sleeper", "Running")
     running = v1.read_namespaced_pod("sleeper", NS)
-    assert running.status.pod_ip == "127.0.0.1" and running.spec.node_name.startswith("kube-")
+    assert running.spec.node_name.startswith("kube-")
+    assert running.status.pod_ip == cluster.node_address(running.spec.node_name)
     assert [c.status for c in running.status.conditions if c.type == "Ready"] == ["True"]
     pids = cluster.pod_pids("sleeper")
     assert pids
@@ -296,6 +299,62 @@ def test_env_from_secret_and_fields(
     assert out.read_text() == f"s3cr3t|env|{node}|env-x"
     v1.delete_namespaced_pod("env", NS)
     v1.delete_namespaced_secret("creds", NS)
+
+
+HOST_PROBE = """
+import json, os, pathlib, socket, sys, time, urllib.request
+out, port, url, peers = pathlib.Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+server = socket.create_server(("0.0.0.0", port))  # every node's pod takes the same port
+probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+probe.connect((url.split("//")[1].split(":")[0], 9))
+with urllib.request.urlopen(url + "/api/v1/namespaces/planaria/pods/" + os.environ["POD"]) as r:
+    seen = json.load(r)["status"]["podIP"]
+(out / os.environ["POD"]).write_text(json.dumps({
+    "source": probe.getsockname()[0], "env": os.environ["POD_IP"], "api": seen,
+    "host": os.environ["HOST_IP"]}))
+while len(list(out.iterdir())) < peers:  # hold the port until every node's pod holds it
+    time.sleep(0.05)
+"""
+
+
+def test_every_node_is_a_host_of_its_own(
+    cluster: EmulatedCluster, v1: CoreV1Api, tmp_path: Path
+) -> None:
+    """Each node's pods run in its network namespace: the node's InternalIP, the pod's podIP
+    (in its status and through the downward API) and the address it sends from are one, and
+    differ from node to node; a pod reaches the API server at the cluster's URL; the pods of
+    three nodes hold the same port at once."""
+    if cluster.network is None:
+        pytest.skip(f"nodes are not hosts of their own here: {netns.unavailable()}")
+    nodes = {n.metadata.name: n for n in v1.list_node().items}
+    internal = {
+        name: next(a.address for a in n.status.addresses if a.type == "InternalIP")
+        for name, n in nodes.items()
+    }
+    assert len(set(internal.values())) == len(nodes) == 3, internal
+    assert all(a.startswith(f"{netns.SUBNET}.") for a in internal.values()), internal
+    assert cluster.url.startswith(f"http://{cluster.host_address}:")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]  # free here; each namespace has its own ports anyway
+    for node in nodes:
+        body = pod(
+            f"probe-{node}",
+            [sys.executable, "-c", HOST_PROBE, str(tmp_path), str(port), cluster.url, "3"],
+            nodeSelector={"kubernetes.io/hostname": node},
+        )
+        body["spec"]["containers"][0]["env"] = [
+            {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
+        ]
+        v1.create_namespaced_pod(NS, body)
+    for node in nodes:
+        wait_phase(cluster, f"probe-{node}", "Succeeded", timeout=30)
+        seen = json.loads((tmp_path / f"probe-{node}").read_text())
+        assert set(seen.values()) == {internal[node]}, (node, seen)
+        assert v1.read_namespaced_pod(f"probe-{node}", NS).status.pod_ip == internal[node]
+        v1.delete_namespaced_pod(f"probe-{node}", NS)
 
 
 def test_scheduling_constraints(cluster: EmulatedCluster, v1: CoreV1Api) -> None:
@@ -533,8 +592,17 @@ def test_nothing_left_running_after_stop(tmp_path: Path) -> None:
         v1.create_namespaced_pod(NS, pod("family", ["sh", "-c", "sleep 60 & sleep 60; wait"]))
         cluster.wait(lambda: len(cluster.pod_pids("family")) >= 2, 10, "both processes")
         pids = cluster.pod_pids("family")
+        network = cluster.network
+        spaces = [m.netns for m in network.members.values()] + [network.hub] if network else []
+        link = network.host_link if network else ""
     assert len(pids) >= 2 and not [pid for pid in pids if running(pid)]
     assert set(threading.enumerate()) <= threads
     host, port = cluster.url.removeprefix("http://").split(":")
-    with pytest.raises(ConnectionRefusedError):
+    # Refused, or (its network gone with it) unreachable.
+    with pytest.raises(OSError):
         socket.create_connection((host, int(port)), timeout=1)
+    assert cluster.network is None
+    assert not [name for name in spaces if (netns.NETNS_DIR / name).exists()], spaces
+    if link:
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True)
+        assert link not in links.stdout

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,22 +17,13 @@ from typing import Any
 
 import pytest
 
-from planaria.testing.jobs import (
-    final_weights,
-    job_events,
-    paused_run,
-    run_planaria,
-    wait_for,
-    write_job,
-)
+from planaria.testing.jobs import final_weights, job_events, paused_run, wait_for, write_job
 from planaria_kubernetes import pods
 from planaria_kubernetes.testing import EmulatedCluster
+from planaria_kubernetes.testing.jobs import job_objects, listen_for_nodes, scheduler_section
 
 torch = pytest.importorskip("torch")
 
-ROOT = Path(__file__).resolve().parents[3]
-EXAMPLE = ROOT / "examples" / "train_gpt.py"
-STEPS = ["--steps", "24", "--ckpt-every", "4", "--out", "final.pt"]
 NODES = ("kube-a", "kube-b", "kube-c")
 
 
@@ -43,45 +33,15 @@ def cluster() -> Iterator[EmulatedCluster]:
         yield emulated
 
 
-def job(where: Path, scheduler: dict[str, Any] | None = None, **job: object) -> Path:
-    return write_job(where, "k8s-e2e", [sys.executable, str(EXAMPLE), *STEPS], scheduler, **job)
-
-
-def on_kubernetes(cluster: EmulatedCluster, where: Path, **options: object) -> dict[str, Any]:
-    return {
-        "backend": "kubernetes",
-        "options": {
-            "image": "planaria-test:1",
-            "kubeconfig": str(cluster.kubeconfig),
-            "namespace": cluster.namespace,
-            "working_dir": str(where),
-            "stop_grace": "1s",
-            **options,
-        },
-    }
-
-
-def job_objects(cluster: EmulatedCluster, plural: str, job_name: str) -> list[dict[str, Any]]:
-    return [
-        o
-        for o in cluster.objects(plural)
-        if (o["metadata"].get("labels") or {}).get(pods.JOB_LABEL) == job_name
-    ]
-
-
-@pytest.fixture(scope="module")
-def clean_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The same job without a fault, on the local scheduler (2 nodes of 1 worker)."""
-    where = tmp_path_factory.mktemp("clean")
-    done = run_planaria(where, "run", str(job(where)))
-    assert done.returncode == 0, done.stdout + done.stderr
-    return final_weights(where)
+def job(where: Path, cluster: EmulatedCluster, command: list[str]) -> Path:
+    config = write_job(where, "k8s-e2e", command, scheduler_section(cluster, where))
+    return listen_for_nodes(config, cluster)
 
 
 def test_a_pod_whose_agent_is_killed_is_replaced_on_the_free_node(
-    tmp_path: Path, cluster: EmulatedCluster, clean_weights: dict[str, Any]
+    tmp_path: Path, cluster: EmulatedCluster, train_gpt: list[str], clean_weights: dict[str, Any]
 ) -> None:
-    config = job(tmp_path, on_kubernetes(cluster, tmp_path))
+    config = job(tmp_path, cluster, train_gpt)
     with paused_run(tmp_path, config) as run:
         running = job_objects(cluster, "pods", "k8s-e2e")
         assert len(running) == 2, [p["metadata"]["name"] for p in running]

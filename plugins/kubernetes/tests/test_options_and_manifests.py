@@ -92,6 +92,10 @@ def test_the_manifests_of_the_example_are_valid_and_least_privilege() -> None:
     ]  # fmt: skip
     job = objects[-1]
     assert job["spec"]["backoffLimit"] == 0
+    # The master's run directory is on the volume the nodes share (for `--resume`).
+    master = job["spec"]["template"]["spec"]
+    assert {"name": "work", "mountPath": "/work"} in master["containers"][0]["volumeMounts"]
+    assert "work" in [v["name"] for v in master["volumes"]]
     rules = {r["resources"][0]: r["verbs"] for r in objects[2]["rules"]}
     assert set(rules) == {"pods", "secrets", "events"}
     assert "patch" in objects[4]["rules"][0]["verbs"]  # the example cordons

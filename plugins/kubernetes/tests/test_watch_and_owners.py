@@ -95,6 +95,26 @@ def test_a_node_diagnosed_faulty_is_avoided_and_cordoned(
             core.patch_node(node["metadata"]["name"], {"spec": {"unschedulable": None}})
 
 
+def test_node_addresses_are_the_internal_ips_of_the_nodes_pods_may_go_to(
+    cluster: EmulatedCluster,
+) -> None:
+    """What a master bound to every interface takes its address from: the InternalIP of each
+    Ready, schedulable node that the node selector admits; none when the cluster cannot be
+    reached (never an error)."""
+    core = __import__("kubernetes").client.CoreV1Api(cluster.api())
+    every = [cluster.node_address(n) for n in ("kube-a", "kube-b", "kube-c")]
+    assert sorted(scheduler(cluster).node_addresses()) == sorted(set(every))
+    core.patch_node("kube-a", {"spec": {"unschedulable": True}})
+    try:
+        assert sorted(scheduler(cluster).node_addresses()) == sorted(set(every[1:]))
+    finally:
+        core.patch_node("kube-a", {"spec": {"unschedulable": None}})
+    selected = {"kubernetes.io/hostname": "kube-c"}
+    assert scheduler(cluster, node_selector=selected).node_addresses() == [every[2]]
+    broken = KubernetesOptions(image="planaria-test:1", kubeconfig=str(cluster.kubeconfig) + "x")
+    assert KubernetesScheduler(broken).node_addresses() == []
+
+
 def test_a_cordon_the_master_may_not_do_is_only_a_warning(
     cluster: EmulatedCluster, spec: LaunchSpec
 ) -> None:

@@ -2,7 +2,8 @@
 
 - the job's config as a ConfigMap, mounted where the master reads it;
 - the master as a Job (``backoffLimit: 0``: a master that died is resumed with
-  ``planaria run --resume``, never started over by Kubernetes), its pod IP handed to the
+  ``planaria run --resume``, never started over by Kubernetes), with the nodes' volumes (the
+  job's workdir, where its run directory is, on the volume they share), its pod IP handed to the
   agents as the master's address (``master.advertise``), its own pod's name passed down so
   that the node pods it creates are owned by it: deleting the Job deletes everything;
 - its ServiceAccount with the least rights it needs: in its namespace pods (create, get,
@@ -134,7 +135,12 @@ def manifests(
         image_pull_policy=options.image_pull_policy,
         command=command,
         env=env,
-        volume_mounts=[client.V1VolumeMount(name="config", mount_path=CONFIG_DIR, read_only=True)],
+        # The nodes' volumes too: the run directory (its journal, for `planaria run --resume`)
+        # and the checkpoints are under the job's workdir, on the volume every pod shares.
+        volume_mounts=[
+            client.V1VolumeMount(name="config", mount_path=CONFIG_DIR, read_only=True),
+            *(client.V1VolumeMount.model_validate(m) for m in options.volume_mounts),
+        ],
         working_dir=options.working_dir,
     )
     job_object = client.V1Job(
@@ -153,7 +159,8 @@ def manifests(
                         client.V1Volume(
                             name="config",
                             config_map=client.V1ConfigMapVolumeSource(name=f"{name}-config"),
-                        )
+                        ),
+                        *(client.V1Volume.model_validate(v) for v in options.volumes),
                     ],
                     node_selector=dict(options.node_selector) or None,
                     tolerations=[client.V1Toleration.model_validate(t) for t in options.tolerations]

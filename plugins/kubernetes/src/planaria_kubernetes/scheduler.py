@@ -337,6 +337,37 @@ class KubernetesScheduler(Scheduler[KubernetesOptions]):
         with self._lock:
             return set(self._excluded)
 
+    def node_addresses(self) -> list[str]:
+        """The ``InternalIP`` of every Ready, schedulable node of the cluster that the pods'
+        ``node_selector`` admits: a master outside the cluster bound to every interface tells
+        its agents the address it reaches these from. None when the nodes cannot be listed
+        (the master then falls back to its default route)."""
+        from kubernetes import client
+
+        try:
+            with api.connect(self.options) as connection:
+                found = client.CoreV1Api(connection).list_node(
+                    _request_timeout=min(self.options.request_timeout, 10)
+                )
+        except Exception as exc:
+            _, said = api.status_of(exc)
+            log.info("cannot list the kubernetes nodes for their addresses", error=said)
+            return []
+        wanted = dict(self.options.node_selector)
+        addresses = []
+        for node in found.items:
+            labels = (node.metadata and node.metadata.labels) or {}
+            if any(labels.get(k) != v for k, v in wanted.items()):
+                continue
+            conditions = (node.status and node.status.conditions) or []
+            ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
+            if (node.spec and node.spec.unschedulable) or not ready:
+                continue
+            for address in (node.status and node.status.addresses) or []:
+                if address.type == "InternalIP" and address.address not in addresses:
+                    addresses.append(address.address)
+        return addresses
+
     # -- the cluster --------------------------------------------------------------------
 
     def _connect(self, spec: LaunchSpec) -> None:

@@ -1,9 +1,9 @@
 """An emulated Kubernetes cluster on one machine: API server, scheduler and kubelet.
 
-The API server is a real HTTP server on 127.0.0.1 (kmock's Kubernetes scaffold with the object
-store of :mod:`.apiserver`), reached through the kubeconfig the cluster writes; pods bound to its
-nodes run as local processes (:mod:`.kubelet`), bound by :mod:`.scheduler`. A client of it needs
-not know it is emulated::
+The API server is a real HTTP server (kmock's Kubernetes scaffold with the object store of
+:mod:`.apiserver`), reached through the kubeconfig the cluster writes; pods bound to its nodes
+run as processes of this machine (:mod:`.kubelet`), bound by :mod:`.scheduler`. A client of it
+needs not know it is emulated::
 
     with EmulatedCluster(("kube-a", "kube-b")) as cluster:
         kubernetes.config.load_kube_config(str(cluster.kubeconfig))
@@ -12,14 +12,29 @@ not know it is emulated::
 Everything runs in one background thread with its own event loop; the methods below are safe to
 call from any other thread.
 
+**Every node a host of its own** (``hosts=True``, the default where the machine can make network
+namespaces: as root, with iproute2). Each node gets a namespace of a
+:class:`planaria.testing.netns.Network`, ``pl-<tag>-n<i>``, holding its address
+``10.214.<k>.<i>``; the kubelet runs the node's pods inside it, and the node's ``InternalIP``
+and its pods' ``podIP``/``hostIP`` are that address, so what a job learns from the cluster
+routes to where its pods run, as on a real cluster, and two nodes' pods never share a port.
+This machine joins the bridge at ``10.214.<k>.254`` (:attr:`EmulatedCluster.host_address`): the
+API server listens there (not on every interface: it runs anything it is asked to), so the
+harness and the pods reach it alike, and a master on this machine bound to ``0.0.0.0`` is
+reached there by its agents. The namespaces share this machine's filesystem and ``/dev/shm``
+(a pod sees its node's files and every other node's, as with a shared volume). Leaving the
+cluster kills whatever still runs in them and removes the network: no namespace, link or
+process is left. ``hosts=False`` (or a machine that cannot, with ``hosts=None``): every node and
+pod is 127.0.0.1 and the API server listens there.
+
 What it does not emulate (see each module for details): authentication (any token is accepted)
 and authorization beyond :meth:`EmulatedCluster.forbid`; API groups other than core ``v1``
 (pods, secrets, configmaps, events, serviceaccounts, nodes, namespaces); pagination (``limit`` is
 ignored, lists are whole); validation beyond names and containers (a pod's spec may be changed by
 an update); finalizers and foreground deletion; restarts (``restartPolicy`` is ``Never``), probes,
-init containers, volumes, resource limits at run time, networking (every pod and node is
-127.0.0.1, so ports are shared); node heartbeats, leases and evictions of pods from lost nodes;
-preemption.
+init containers, volumes, resource limits at run time, Services and pod networks beyond one
+address per node (pods run as with ``hostNetwork: true``); node heartbeats, leases and evictions
+of pods from lost nodes; preemption.
 """
 
 from __future__ import annotations
@@ -40,6 +55,7 @@ import kmock
 import kubernetes
 import yaml
 
+from planaria.testing import netns
 from planaria_kubernetes.testing import semantics
 from planaria_kubernetes.testing.apiserver import KINDS, ApiServer, Store
 from planaria_kubernetes.testing.kubelet import LOCALHOST, Kubelet
@@ -83,11 +99,14 @@ class EmulatedCluster:
     ``nodes`` are the Node objects (labels ``kubernetes.io/hostname=<name>``, Ready, with
     ``allocatable`` as capacity); ``namespace`` is created (with ``default``) and is the
     kubeconfig context's namespace; pods' output goes to ``log_dir`` (a temporary directory,
-    removed on exit, when not given).
+    removed on exit, when not given). ``hosts``: every node a host of its own (see the module
+    docstring); True requires it (``RuntimeError`` saying why the machine cannot), None (the
+    default) has it where the machine can.
 
-    Attributes: ``url`` (``http://127.0.0.1:<port>``), ``kubeconfig`` (its path; context
+    Attributes: ``url`` (``http://<host address>:<port>``), ``kubeconfig`` (its path; context
     ``emulated``, any token), ``namespace``, ``log_dir``, ``requests`` (``(method, path?query)``
-    of every API request received, the query percent-encoded as sent), ``errors``.
+    of every API request received, the query percent-encoded as sent), ``errors``, ``network``
+    (the :class:`~planaria.testing.netns.Network` of the nodes, None without ``hosts``).
     """
 
     def __init__(
@@ -97,8 +116,11 @@ class EmulatedCluster:
         namespace: str = "planaria",
         allocatable: Mapping[str, str] | None = None,
         log_dir: Path | None = None,
+        hosts: bool | None = None,
     ) -> None:
         self.node_names = tuple(nodes)
+        self.hosts = hosts
+        self.network: netns.Network | None = None
         self.namespace = namespace
         self.allocatable = dict(allocatable if allocatable is not None else DEFAULT_ALLOCATABLE)
         self._workdir = Path(tempfile.mkdtemp(prefix="emulated-kubernetes-"))
@@ -121,11 +143,25 @@ class EmulatedCluster:
 
     # -- lifecycle ----------------------------------------------------------------------------
 
+    @property
+    def host_address(self) -> str:
+        """This machine's address as the nodes reach it (127.0.0.1 without ``hosts``)."""
+        return self.network.host_address if self.network is not None else LOCALHOST
+
+    def node_address(self, node: str) -> str:
+        """The address of node ``node`` (its ``InternalIP``, its pods' ``podIP``)."""
+        if node not in self.node_names:
+            raise KeyError(f"no node {node!r} in this cluster: it has {', '.join(self.node_names)}")
+        return self.kubelet.address(node)
+
     def __enter__(self) -> EmulatedCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._thread = threading.Thread(target=self._main, name="emulated-kubernetes", daemon=True)
-        self._thread.start()
         try:
+            self._make_network()
+            self._thread = threading.Thread(
+                target=self._main, name="emulated-kubernetes", daemon=True
+            )
+            self._thread.start()
             self.url = self._started.result(timeout=30)
         except BaseException:
             self.__exit__(None, None, None)
@@ -166,8 +202,26 @@ class EmulatedCluster:
         if thread is not None:
             thread.join(timeout=60)
         self.kubelet.stop()  # in case the loop could not (it is idempotent)
+        network, self.network = self.network, None
+        if network is not None:
+            network.close()  # whatever a pod left behind in a namespace is killed
         if self._workdir.exists():
             shutil.rmtree(self._workdir, ignore_errors=True)
+
+    def _make_network(self) -> None:
+        """The nodes' namespaces (see the module docstring), named by number: a node's name
+        need not fit a link name's 15 characters."""
+        why = netns.unavailable() if self.hosts is not False else "hosts=False"
+        if why is not None:
+            if self.hosts:
+                raise RuntimeError(f"emulated nodes cannot be hosts of their own here: {why}")
+            return
+        members = {node: f"n{number}" for number, node in enumerate(self.node_names)}
+        network = netns.Network(list(members.values()), host=True)
+        network.create()
+        self.network = network
+        self.kubelet.addresses = {node: network.address(m) for node, m in members.items()}
+        self.kubelet.netns = {node: network.netns(m) for node, m in members.items()}
 
     def _main(self) -> None:
         loop = asyncio.new_event_loop()
@@ -190,7 +244,7 @@ class EmulatedCluster:
         for name in self.node_names:
             store.create("nodes", None, self._node(name))
         scheduler = Scheduler(store)
-        async with self.server, _Server(self.server, host=LOCALHOST) as server:
+        async with self.server, _Server(self.server, host=self.host_address) as server:
             tasks = [
                 asyncio.create_task(scheduler.run(), name="scheduler"),
                 asyncio.create_task(self.kubelet.run(), name="kubelet"),
@@ -225,7 +279,7 @@ class EmulatedCluster:
                 "allocatable": dict(self.allocatable),
                 "conditions": [_ready_condition(True, stamp)],
                 "addresses": [
-                    {"type": "InternalIP", "address": LOCALHOST},
+                    {"type": "InternalIP", "address": self.kubelet.address(name)},
                     {"type": "Hostname", "address": name},
                 ],
                 "nodeInfo": {

@@ -6,10 +6,16 @@ own process group), in ``workingDir`` if set, with the harness process's own env
 overlaid with ``HOSTNAME`` (the pod's name) and the container's ``env``/``envFrom`` (``value``,
 ``secretKeyRef``, ``configMapKeyRef``, ``fieldRef``; ``secretRef``, ``configMapRef``), its
 output to ``<log_dir>/<namespace>.<pod>.log``. It reports what a real kubelet reports through
-the status: ``Running`` with ``podIP``/``hostIP`` 127.0.0.1, then ``Succeeded`` or ``Failed``
-with the exit code (``128 + N`` for a process killed by signal N); images marked bad stay
+the status: ``Running`` with ``podIP``/``hostIP`` the node's address, then ``Succeeded`` or
+``Failed`` with the exit code (``128 + N`` for a process killed by signal N); images marked bad stay
 ``Pending`` with ``ErrImagePull`` then ``ImagePullBackOff``; a missing Secret or key keeps the
 pod ``Pending`` with ``CreateContainerConfigError`` (retried, as the real kubelet does).
+
+A node given a network namespace (``netns``) is a host of its own: its pods run inside it
+(``ip netns exec``, which execs the command, so the pod's process keeps the pid the kubelet
+started), and its address (``addresses``) is the pods' ``podIP`` and ``hostIP``, as for a pod
+with ``hostNetwork: true`` on a real node: pods of one node share its address and ports, pods
+of two nodes never do. A node without one is 127.0.0.1, as this machine.
 
 ``restartPolicy`` is treated as ``Never``: a process that exits ends its pod. Only the first
 container runs; init containers, probes, volumes and resource limits are ignored. A pod without
@@ -29,6 +35,7 @@ import base64
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -90,6 +97,13 @@ class Kubelet:
     containers: dict[str, Container] = field(default_factory=dict)  # by pod uid
     waiting: dict[str, _Waiting] = field(default_factory=dict)
     orphans: list[subprocess.Popen[bytes]] = field(default_factory=list)  # killed, not reaped
+    addresses: dict[str, str] = field(default_factory=dict)
+    """Each node's address (none: 127.0.0.1)."""
+    netns: dict[str, str] = field(default_factory=dict)
+    """Each node's network namespace, where its pods run (none: this machine's own)."""
+
+    def address(self, node: str | None) -> str:
+        return self.addresses.get(node or "", LOCALHOST)
 
     async def run(self) -> None:
         wakeup = asyncio.Event()
@@ -213,7 +227,14 @@ class Kubelet:
         full_env = dict(os.environ)
         full_env["HOSTNAME"] = str(spec.get("hostname") or meta["name"])
         full_env.update(env)
+        node = str(spec["nodeName"])
+        netns = self.netns.get(node)
         try:
+            if netns:
+                # `ip netns exec` would start and then fail to exec a missing program: find it
+                # first, so that it fails here as a container runtime's does.
+                _find_program(command[0], first.get("workingDir"), full_env.get("PATH"))
+                command = ["ip", "netns", "exec", netns, *command]
             process = subprocess.Popen(
                 command,
                 cwd=first.get("workingDir") or None,
@@ -237,7 +258,7 @@ class Kubelet:
             uid=uid,
             namespace=str(meta.get("namespace")),
             pod=meta["name"],
-            node=spec["nodeName"],
+            node=node,
             name=str(first.get("name")),
             image=image,
             process=process,
@@ -247,15 +268,17 @@ class Kubelet:
         self.containers[uid] = container
         self.waiting.pop(uid, None)
 
+        address = self.address(node)
+
         def running(obj: Obj) -> None:
             status = obj.setdefault("status", {})
             status.update(
                 {
                     "phase": "Running",
-                    "hostIP": LOCALHOST,
-                    "hostIPs": [{"ip": LOCALHOST}],
-                    "podIP": LOCALHOST,
-                    "podIPs": [{"ip": LOCALHOST}],
+                    "hostIP": address,
+                    "hostIPs": [{"ip": address}],
+                    "podIP": address,
+                    "podIPs": [{"ip": address}],
                     "startTime": status.get("startTime") or container.started_at,
                     "containerStatuses": [
                         _container_status(
@@ -277,14 +300,15 @@ class Kubelet:
         waiting.reason, waiting.message = reason, message
         meta = pod["metadata"]
         first = pod["spec"]["containers"][0]
+        host = self.address(pod["spec"].get("nodeName"))
 
         def pending(obj: Obj) -> None:
             status = obj.setdefault("status", {})
             status.update(
                 {
                     "phase": "Pending",
-                    "hostIP": LOCALHOST,
-                    "hostIPs": [{"ip": LOCALHOST}],
+                    "hostIP": host,
+                    "hostIPs": [{"ip": host}],
                     "startTime": status.get("startTime") or semantics.timestamp(),
                     "containerStatuses": [
                         _container_status(
@@ -306,14 +330,15 @@ class Kubelet:
         meta = pod["metadata"]
         first = pod["spec"]["containers"][0]
         stamp = semantics.timestamp()
+        host = self.address(pod["spec"].get("nodeName"))
 
         def failed(obj: Obj) -> None:
             status = obj.setdefault("status", {})
             status.update(
                 {
                     "phase": "Failed",
-                    "hostIP": LOCALHOST,
-                    "hostIPs": [{"ip": LOCALHOST}],
+                    "hostIP": host,
+                    "hostIPs": [{"ip": host}],
                     "startTime": status.get("startTime") or stamp,
                     "containerStatuses": [
                         _container_status(
@@ -397,7 +422,8 @@ class Kubelet:
             elif "configMapKeyRef" in source:
                 value = self._key(pod, "configmaps", "ConfigMap", source["configMapKeyRef"])
             elif "fieldRef" in source:
-                value = _field(pod, str(source["fieldRef"].get("fieldPath")))
+                address = self.address((pod.get("spec") or {}).get("nodeName"))
+                value = _field(pod, str(source["fieldRef"].get("fieldPath")), address)
             else:
                 value = None
             if value is not None:
@@ -480,7 +506,7 @@ def _expand(text: str, env: dict[str, str]) -> str:
     return _VAR.sub(one, text)
 
 
-def _field(pod: Obj, path: str) -> str | None:
+def _field(pod: Obj, path: str, address: str) -> str | None:
     meta = pod["metadata"]
     values: dict[str, Any] = {
         "metadata.name": meta.get("name"),
@@ -488,8 +514,8 @@ def _field(pod: Obj, path: str) -> str | None:
         "metadata.uid": meta.get("uid"),
         "spec.nodeName": (pod.get("spec") or {}).get("nodeName"),
         "spec.serviceAccountName": (pod.get("spec") or {}).get("serviceAccountName"),
-        "status.podIP": LOCALHOST,
-        "status.hostIP": LOCALHOST,
+        "status.podIP": address,
+        "status.hostIP": address,
     }
     if path in values:
         value = values[path]
@@ -499,6 +525,17 @@ def _field(pod: Obj, path: str) -> str | None:
         value = (meta.get(match[1]) or {}).get(match[2])
         return None if value is None else str(value)
     return None
+
+
+def _find_program(program: str, cwd: str | None, path: str | None) -> None:
+    """Raise ``FileNotFoundError`` (what ``Popen`` raises) when ``program`` cannot be run."""
+    if "/" in program:
+        found = Path(cwd or ".", program)
+        if os.access(found, os.X_OK) and found.is_file():
+            return
+    elif shutil.which(program, path=path) is not None:
+        return
+    raise FileNotFoundError(2, "No such file or directory", program)
 
 
 def _container_id(pid: int) -> str:
