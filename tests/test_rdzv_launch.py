@@ -117,6 +117,8 @@ def test_two_launchers_train_through_a_worker_kill_bitwise_as_without(tmp_path, 
         in (faulty / "other.out").read_text()
     )
     timeline = _events(faulty)
+    (started,) = [e for e in timeline if e["kind"] == "job_started"]
+    assert started["message"].endswith("1 node(s) started here, 2 in all expected to join")
     nodes = {e["node"] for e in timeline if e.get("node")}
     assert {f"node-{net.address('head')}", f"node-{net.address('other')}"} <= nodes, nodes
     rounds = [e for e in timeline if e["kind"] == "rendezvous_completed"]

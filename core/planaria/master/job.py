@@ -65,7 +65,14 @@ from planaria.protocol import (
     WorkersOutput,
     WorkersReport,
 )
-from planaria.scheduler.api import LaunchSpec, NodeEvent, NodeHandle, NodeState, Scheduler
+from planaria.scheduler.api import (
+    AdmitsNodes,
+    LaunchSpec,
+    NodeEvent,
+    NodeHandle,
+    NodeState,
+    Scheduler,
+)
 
 log = get_logger("master")
 
@@ -742,9 +749,14 @@ class Master:
             self.open_round()
         else:  # the first round opens once the pre-flight check is done
             self.state = JobState.PREFLIGHT
+        started = f"{len(handles)} node(s) requested"
+        if isinstance(self.fleet.scheduler, AdmitsNodes):  # the others start outside, and join
+            wanted = self.settings.min_nodes, self.settings.max_nodes
+            count = str(wanted[0]) if wanted[0] == wanted[1] else "{}:{}".format(*wanted)
+            started = f"{len(handles)} node(s) started here, {count} in all expected to join"
         self.timeline.emit(
             events.JobStarted(run_id=self.spec.run_id, nodes=[h.node_id for h in handles]),
-            f"job {self.spec.job} started: {len(handles)} node(s) requested",
+            f"job {self.spec.job} started: {started}",
         )
 
     async def adopt(self, spec: LaunchSpec, journalled: Journalled) -> None:
