@@ -187,6 +187,8 @@ def test_the_job_shrinks_when_a_node_s_launcher_is_killed_and_grows_when_it_is_b
     timeline = _events(tmp_path)
     lost = [e for e in timeline if e["kind"] == "fault_detected" and "lost" in e["message"]]
     assert [e["node"] for e in lost] == [f"node-{net.address('other')}"], lost
+    (kept,) = [e for e in timeline if e["kind"] == "node_replaced"]
+    assert "slot is kept open for it to come back" in kept["message"], kept
     # After the loss: a round without the node (shrunk), then one with it again (grown).
     after = [e for e in timeline if e["time"] >= killed_at]
     sizes = [

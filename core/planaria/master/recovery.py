@@ -267,7 +267,12 @@ class Recovery:
                 replacement_host=new.host,
                 excluded_host=node.host if exclude_host else None,
             ),
-            f"node {node.node_id} replaced by {new.node_id} on {new.host}",
+            (
+                f"node {node.node_id} replaced by {new.node_id} on {new.host}"
+                if new.node_id != node.node_id
+                # A scheduler of nodes started outside keeps the slot open for the same node.
+                else f"node {node.node_id}'s slot is kept open for it to come back to {new.host}"
+            ),
             node=node.node_id,
         )
 
