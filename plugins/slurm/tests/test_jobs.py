@@ -11,20 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import slurm
+from conftest import EXAMPLE, job, slurm
 
-from planaria.testing.jobs import final_weights, job_events, run_planaria, wait_for, write_job
+from planaria.testing.jobs import final_weights, job_events, run_planaria, wait_for
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
-
-ROOT = Path(__file__).resolve().parents[3]
-EXAMPLE = ROOT / "examples" / "train_gpt.py"
-STEPS = ["--steps", "24", "--ckpt-every", "4", "--out", "final.pt"]
-
-
-def job(where: Path, scheduler: dict[str, object] | None = None, **job: object) -> Path:
-    return write_job(where, "slurm-e2e", [sys.executable, str(EXAMPLE), *STEPS], scheduler, **job)
 
 
 def job_state(job_id: str) -> str:
@@ -40,15 +32,6 @@ def steps(job_id: str) -> dict[str, tuple[str, str]]:
         if name.startswith("planaria.") and ".cleanup." not in name:
             found[name] = (step, node)
     return found
-
-
-@pytest.fixture(scope="module")
-def clean_weights(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The same job without a fault, on the local scheduler (2 nodes of 1 worker)."""
-    where = tmp_path_factory.mktemp("clean")
-    done = run_planaria(where, "run", str(job(where)))
-    assert done.returncode == 0, done.stdout + done.stderr
-    return final_weights(where)
 
 
 def submit_and_pause(where: Path) -> tuple[str, dict[str, tuple[str, str]]]:

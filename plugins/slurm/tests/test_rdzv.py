@@ -1,7 +1,7 @@
 """``srun planaria run --rdzv-endpoint ...`` on a real Slurm cluster: one launcher per node
 in one step, as ``srun torchrun`` runs, with no Slurm scheduler involved (the master's is
-``external``). The cluster's nodes share this machine, so every node's host is the endpoint's:
-``--node-rank $SLURM_NODEID`` says which launcher is the master's."""
+``external``). The step runs on node1 and node2, hosts of their own: the endpoint is node1's
+address, and ``--node-rank $SLURM_NODEID`` makes node1's launcher the master's."""
 
 from __future__ import annotations
 
@@ -28,11 +28,14 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def test_srun_starts_a_launcher_on_every_node_and_they_train_as_one_job(tmp_path, allocation):
+def test_srun_starts_a_launcher_on_every_node_and_they_train_as_one_job(
+    tmp_path, allocation, slurm_network
+):
     line = (
         f"exec {sys.executable} -m planaria run --nnodes 2 --nproc-per-node 1 "
         f"--node-rank $SLURM_NODEID --rdzv-backend c10d --rdzv-endpoint "
-        f"$(hostname):{_free_port()} --set rendezvous.join_grace=2s --set 'diagnosis.checks=[]' "
+        f"{slurm_network.address('node1')}:{_free_port()} --set rendezvous.join_grace=2s "
+        "--set 'diagnosis.checks=[]' "
         f"{EXAMPLE} --steps 6 --ckpt-every 3"
     )
     env = {**os.environ, "PLANARIA_TOKEN": secrets.token_hex(16)}
@@ -41,6 +44,7 @@ def test_srun_starts_a_launcher_on_every_node_and_they_train_as_one_job(tmp_path
             "srun",
             f"--jobid={allocation}",
             "-N2",
+            "--nodelist=node1,node2",
             "--ntasks-per-node=1",
             "--overlap",
             "--export=ALL",
