@@ -1,7 +1,8 @@
 """``srun planaria run --rdzv-endpoint ...`` on a real Slurm cluster: one launcher per node
 in one step, as ``srun torchrun`` runs, with no Slurm scheduler involved (the master's is
-``external``). The step runs on node1 and node2, hosts of their own: the endpoint is node1's
-address, and ``--node-rank $SLURM_NODEID`` makes node1's launcher the master's."""
+``external``). The step runs on the allocation's first two nodes, hosts of their own: the
+endpoint is the first one's address, and ``--node-rank $SLURM_NODEID`` makes its launcher the
+master's."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import slurm
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 pytest.importorskip("torch")
@@ -31,10 +33,13 @@ def _free_port() -> int:
 def test_srun_starts_a_launcher_on_every_node_and_they_train_as_one_job(
     tmp_path, allocation, slurm_network
 ):
+    # A node set down by an earlier test is out of the allocation (--no-kill) for good.
+    allocated = slurm("squeue", "-h", "-j", allocation, "-o", "%N").stdout.strip()
+    first, second = slurm("scontrol", "show", "hostnames", allocated).stdout.split()[:2]
     line = (
         f"exec {sys.executable} -m planaria run --nnodes 2 --nproc-per-node 1 "
         f"--node-rank $SLURM_NODEID --rdzv-backend c10d --rdzv-endpoint "
-        f"{slurm_network.address('node1')}:{_free_port()} --set rendezvous.join_grace=2s "
+        f"{slurm_network.address(first)}:{_free_port()} --set rendezvous.join_grace=2s "
         "--set 'diagnosis.checks=[]' "
         f"{EXAMPLE} --steps 6 --ckpt-every 3"
     )
@@ -44,7 +49,7 @@ def test_srun_starts_a_launcher_on_every_node_and_they_train_as_one_job(
             "srun",
             f"--jobid={allocation}",
             "-N2",
-            "--nodelist=node1,node2",
+            f"--nodelist={first},{second}",
             "--ntasks-per-node=1",
             "--overlap",
             "--export=ALL",
