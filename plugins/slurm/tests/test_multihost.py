@@ -70,14 +70,14 @@ def test_a_job_over_hosts_of_their_own_loses_one_and_ends_as_without_the_fault(
     assert not [p for p in net.pids(spare) if _cmdline(p)[1:4] == AGENT]
 
     step_id, _ = next(step for name, step in agents.items() if name.endswith(".node-1"))
-    killed = time.monotonic()
+    cancelled = time.monotonic()
     slurm("scancel", step_id)
 
     def replaced() -> dict | None:
         return next((e for e in job_events(tmp_path) if e["kind"] == "node_replaced"), None)
 
     event = wait_for("the replacement", replaced)
-    took = time.monotonic() - killed
+    took = time.monotonic() - cancelled
     assert event["message"].endswith(f"on {spare}"), event
     output = finish(tmp_path, job_id)
     assert "succeeded" in output, output
