@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
-# A real Slurm cluster on one machine: one slurmctld, N slurmd "nodes" on localhost
-# (node1..nodeN, each its own port) and a private munged, all under one state directory,
-# so the Slurm scheduler plugin is tested against Slurm itself and nothing of the system
-# (its munge key, /etc/slurm, ports 6817/6818) is touched.
+# A real Slurm cluster on one machine: one slurmctld, N slurmd "nodes" (node1..nodeN, each its
+# own port) and a private munged, all under one state directory, so the Slurm scheduler plugin
+# is tested against Slurm itself and nothing of the system (its munge key, /etc/slurm, ports
+# 6817/6818) is touched.
+#
+# Where the nodes run: by default every slurmd is on this machine's loopback (NodeAddr
+# 127.0.0.1). Given PLANARIA_SLURM_HOSTS, each node is a host of its own: node i's slurmd runs
+# in the i-th network namespace named there, and Slurm reaches it at that namespace's address
+# (its NodeAddr); slurmctld and munged stay on this machine, slurmctld reached at
+# PLANARIA_SLURM_CONTROLLER (this machine's address on the namespaces' network), so that
+# sbatch, srun and scontrol work from here as from a login node. The caller makes and removes
+# the namespaces (the tests: planaria.testing.netns.Network(..., host=True)); munge's socket
+# is a file, which every namespace reaches.
 #
 #   cluster.sh install        apt-get what is missing (fast no-op when installed)
 #   cluster.sh start [NODES]  start NODES nodes (default 4), wait until all are idle,
@@ -13,13 +22,18 @@
 #
 # Env: PLANARIA_SLURM_DIR (state directory, default /tmp/planaria-slurm),
 #      PLANARIA_SLURM_PORT (slurmctld port, default 16817; slurmd nodeN uses PORT+N),
-#      PLANARIA_SLURM_CPUS (CPUs per node, default 2), KEEP_LOGS=1 (stop keeps DIR/log).
+#      PLANARIA_SLURM_CPUS (CPUs per node, default 2), KEEP_LOGS=1 (stop keeps DIR/log),
+#      PLANARIA_SLURM_HOSTS ("NETNS=ADDRESS ...", one per node, in order: the namespace each
+#      slurmd runs in and its address), PLANARIA_SLURM_CONTROLLER (the address the nodes
+#      reach slurmctld at; needed with PLANARIA_SLURM_HOSTS, default 127.0.0.1).
 set -euo pipefail
 
 DIR=${PLANARIA_SLURM_DIR:-/tmp/planaria-slurm}
 DIR=${DIR%/}
 PORT=${PLANARIA_SLURM_PORT:-16817}
 CPUS=${PLANARIA_SLURM_CPUS:-2}
+HOSTS=${PLANARIA_SLURM_HOSTS:-}
+CONTROLLER=${PLANARIA_SLURM_CONTROLLER:-}
 CONF=$DIR/etc/slurm.conf
 MUNGE_SOCKET=$DIR/munge/munge.socket
 # Set only in the daemons' environment (slurmstepd inherits it): `stop` finds strays by it
@@ -63,14 +77,40 @@ cmd_install() {
     ((rc == 0)) || die "apt-get install slurm-wlm munge failed (exit $rc)"
 }
 
+# PLANARIA_SLURM_HOSTS into NETNS_OF[i] and ADDR_OF[i] (i from 1), checked against NODES.
+NETNS_OF=()
+ADDR_OF=()
+parse_hosts() {
+    local nodes=$1 entry i=0 ipv4='^([0-9]{1,3}\.){3}[0-9]{1,3}$'
+    [[ -n $HOSTS ]] || return 0
+    for entry in $HOSTS; do
+        i=$((i + 1))
+        [[ $entry == *=* ]] ||
+            die "PLANARIA_SLURM_HOSTS: '$entry' is not NETNS=ADDRESS (node $i)"
+        NETNS_OF[i]=${entry%%=*}
+        ADDR_OF[i]=${entry#*=}
+        [[ -e /run/netns/${NETNS_OF[i]} ]] ||
+            die "PLANARIA_SLURM_HOSTS: no network namespace '${NETNS_OF[i]}' (node $i; ip netns list)"
+        [[ ${ADDR_OF[i]} =~ $ipv4 ]] ||
+            die "PLANARIA_SLURM_HOSTS: '${ADDR_OF[i]}' is not an IPv4 address (node $i)"
+    done
+    ((i == nodes)) || die "PLANARIA_SLURM_HOSTS names $i hosts for $nodes nodes"
+    [[ $CONTROLLER =~ $ipv4 ]] ||
+        die "PLANARIA_SLURM_CONTROLLER must be this machine's IPv4 address on the nodes'" \
+            "network (with PLANARIA_SLURM_HOSTS), got '${CONTROLLER}'"
+}
+
 write_conf() {
-    local nodes=$1 host i
+    local nodes=$1 host i where
     host=$(hostname -s)
+    where="on localhost"
+    [[ -z $HOSTS ]] || where="in network namespaces of their own"
     {
-        echo "# Written by cluster.sh: a ${nodes}-node cluster on localhost; removed by 'stop'."
+        echo "# Written by cluster.sh: a ${nodes}-node cluster, nodes ${where}; removed by 'stop'."
         echo "ClusterName=planaria"
-        # slurmctld must find its own short hostname here; clients reach it on loopback.
-        echo "SlurmctldHost=${host}(127.0.0.1)"
+        # slurmctld must find its own short hostname here; clients and nodes reach it at the
+        # address in parentheses (it listens on every address).
+        echo "SlurmctldHost=${host}(${CONTROLLER:-127.0.0.1})"
         echo "SlurmctldPort=$PORT"
         echo "SlurmUser=root"
         echo "SlurmdUser=root"
@@ -118,7 +158,8 @@ write_conf() {
         echo "SlurmctldDebug=info"
         echo "SlurmdDebug=info"
         for ((i = 1; i <= nodes; i++)); do
-            echo "NodeName=node$i NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((PORT + i))" \
+            echo "NodeName=node$i NodeHostname=localhost NodeAddr=${ADDR_OF[i]:-127.0.0.1}" \
+                "Port=$((PORT + i))" \
                 "CPUs=$CPUS Boards=1 SocketsPerBoard=1 CoresPerSocket=$CPUS ThreadsPerCore=1" \
                 "RealMemory=1000 State=UNKNOWN"
         done
@@ -187,6 +228,7 @@ cmd_start() {
     if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
         die "Slurm or munge is not installed; run '$0 install' first"
     fi
+    parse_hosts "$nodes"
     t0=$(date +%s.%N)
     if [[ -e $DIR && ! -e $STAMP && -n $(ls -A "$DIR" 2>/dev/null) ]]; then
         die "$DIR exists and was not made by cluster.sh; set PLANARIA_SLURM_DIR to a new path"
@@ -204,8 +246,14 @@ cmd_start() {
     start_munged
     export SLURM_CONF=$CONF
     env "$MARKER" slurmctld -c -f "$CONF" || fail_start "slurmctld did not start"
+    local inside
     for ((i = 1; i <= nodes; i++)); do
-        env "$MARKER" slurmd -N "node$i" -f "$CONF" || fail_start "slurmd -N node$i did not start"
+        inside=()
+        # nsenter, not `ip netns exec`: that one also mounts a sysfs of the namespace's own
+        # over /sys, which hides /sys/fs/cgroup, and slurmd will not start without it.
+        [[ -z ${NETNS_OF[i]:-} ]] || inside=(nsenter "--net=/run/netns/${NETNS_OF[i]}")
+        "${inside[@]}" env "$MARKER" slurmd -N "node$i" -f "$CONF" ||
+            fail_start "slurmd -N node$i did not start${NETNS_OF[i]:+ in ${NETNS_OF[i]}}"
     done
     deadline=$(($(date +%s) + 60))
     while :; do
@@ -353,7 +401,7 @@ env)
 stop) cmd_stop ;;
 status) cmd_status ;;
 *)
-    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
     ;;
 esac

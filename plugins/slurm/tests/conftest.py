@@ -3,6 +3,13 @@ scheduler's tests run inside, and a check after every test that the job left not
 no step, no process, no shared memory (:mod:`planaria.testing.leaks`: only what the test
 itself started or created counts).
 
+Every node of the cluster is a host of its own: its slurmd runs in a network namespace with
+an address of its own on a bridge (:class:`planaria.testing.netns.Network`), so that nothing
+of a job reaches another node on loopback, as nothing does on a real cluster. slurmctld and
+munged stay on this machine, which the network joins too (``host=True``): sbatch, srun and
+scontrol work from here as from a login node. The namespaces share the filesystem, so the
+job directories, munge's socket and /proc are the same on every node.
+
 Processes are found by the session's marker (:mod:`planaria.leftovers`): srun passes the
 environment on (``--export=ALL``), so agents and workers that slurmstepd starts carry it. What
 the session keeps on purpose (slurmctld, slurmd, munged, the allocation's ``sleep``) is started
@@ -13,13 +20,17 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from planaria import leftovers
+from planaria.testing.jobs import final_weights, run_planaria, write_job
+from planaria.testing.netns import Network, unavailable
 
 pytest_plugins = ["planaria.testing.leaks"]
 """After every test: nothing it started still runs, nothing it created is left in /dev/shm."""
@@ -27,6 +38,8 @@ pytest_plugins = ["planaria.testing.leaks"]
 HERE = Path(__file__).resolve().parent
 CLUSTER = HERE / "cluster.sh"
 NODES = 4
+EXAMPLE = HERE.parents[2] / "examples" / "train_gpt.py"
+STEPS = ["--steps", "24", "--ckpt-every", "4", "--out", "final.pt"]
 
 
 def slurm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -39,20 +52,37 @@ def unmarked() -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster() -> Iterator[dict[str, str]]:
-    """Start a 4-node cluster once; its environment (SLURM_CONF) goes into os.environ."""
+def slurm_network() -> Iterator[Network]:
+    """The nodes' network: a namespace ``node1`` .. ``node4`` each, and this machine, on one
+    bridge. Removed after the cluster stopped (what still runs in a namespace is killed)."""
+    why = unavailable()
+    if why is not None:
+        pytest.skip(f"the test cluster's nodes are network namespaces: {why}")
+    with Network([f"node{i}" for i in range(1, NODES + 1)], host=True) as net:
+        yield net
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(slurm_network: Network) -> Iterator[dict[str, str]]:
+    """Start a 4-node cluster once, each node in its namespace of ``slurm_network``; its
+    environment (SLURM_CONF) goes into os.environ."""
     if shutil.which("slurmctld") is None or shutil.which("srun") is None:
         installed = subprocess.run(
             [str(CLUSTER), "install"], capture_output=True, text=True, env=unmarked()
         )
         if installed.returncode != 0:
             pytest.skip(f"Slurm is not installed and cannot be: {installed.stderr.strip()}")
+    hosts = " ".join(f"{m.netns}={m.address}" for m in slurm_network.members.values())
     started = subprocess.run(
         [str(CLUSTER), "start", str(NODES)],
         capture_output=True,
         text=True,
         timeout=120,
-        env=unmarked(),  # the daemons outlive every test
+        env={  # the daemons outlive every test: without the marker
+            **unmarked(),
+            "PLANARIA_SLURM_HOSTS": hosts,
+            "PLANARIA_SLURM_CONTROLLER": slurm_network.host_address,
+        },
     )
     if started.returncode != 0:
         pytest.fail(f"cluster.sh start failed:\n{started.stderr}")
@@ -157,3 +187,26 @@ def leaves_nothing(request: pytest.FixtureRequest, nothing_left_running: None) -
     while (steps := job_steps(job_id)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not steps, f"steps of the job left running: {steps}"
+
+
+def job(where: Path, scheduler: dict[str, object] | None = None, **job: object) -> Path:
+    """The training job's file (``examples/train_gpt.py``, 2 nodes of 1 worker); with a
+    scheduler (Slurm's), its master binds every interface: it runs on the batch host, a node
+    of its own, and finds the address the other nodes reach it at (and serves TLS)."""
+    path = write_job(where, "slurm-e2e", [sys.executable, str(EXAMPLE), *STEPS], scheduler, **job)
+    if scheduler is not None:
+        config = yaml.safe_load(path.read_text())
+        config["master"]["host"] = "0.0.0.0"
+        path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="session")
+def clean_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """The training job's final weights without a fault, on the local scheduler: what every
+    job that lost a node on the cluster must end with, bitwise."""
+    pytest.importorskip("torch")
+    where = tmp_path_factory.mktemp("clean")
+    done = run_planaria(where, "run", str(job(where)))
+    assert done.returncode == 0, done.stdout + done.stderr
+    return final_weights(where)

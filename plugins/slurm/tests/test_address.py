@@ -1,10 +1,11 @@
 """The batch host's address for the master's agents (``python -m planaria_slurm.address``),
 and the batch script's use of it: in network namespaces of their own (a default route or
-none), and in a real allocation, whose nodes (all on this machine) are reached on loopback."""
+none), and in a real allocation, whose nodes are hosts of their own (conftest)."""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -91,20 +92,25 @@ def test_the_default_route_s_address_or_exit_2_and_the_script_passes_it_on(net, 
     assert shown.stdout == net.address("batch"), shown
 
 
-def test_in_an_allocation_on_this_machine_the_nodes_are_reached_on_loopback(allocation):
+def test_from_this_machine_the_nodes_are_reached_from_its_address_on_their_network(
+    allocation, slurm_network
+):
+    """This machine is the cluster's login host: the allocation's nodes are at their
+    NodeAddr, and this machine reaches them from its own address on their network."""
     scheduler = SlurmScheduler(SlurmOptions(job_id=allocation))
-    assert scheduler.node_addresses() == ["127.0.0.1"] * 4  # cluster.sh: NodeAddr=127.0.0.1
+    nodes = [slurm_network.address(f"node{i}") for i in range(1, conftest.NODES + 1)]
+    assert scheduler.node_addresses() == nodes
     assert batch_host_address({"SLURM_JOB_ID": allocation}) == Advertised(
-        "127.0.0.1", "the nodes run on this machine (127.0.0.1)"
+        slurm_network.host_address, f"the address this machine reaches the nodes from ({nodes[0]})"
     )
 
 
 def test_a_submitted_job_bound_to_every_interface_tells_its_agents_the_batch_host(
-    tmp_path, slurm_cluster
+    tmp_path, slurm_cluster, slurm_network
 ):
     """``planaria submit`` of a job with ``master.host: 0.0.0.0`` and no advertise: the batch
-    script finds the batch host's address (the nodes' NodeAddr is loopback: the cluster is
-    this machine), the master takes it, serves TLS, and both agents reach it."""
+    script finds the batch host's own address (a node, a host of its own), the master takes
+    it, serves TLS, and both agents reach it."""
     command = [sys.executable, "-c", "from planaria import monitor; monitor.step(1)"]
     scheduler = {"backend": "slurm", "options": {"sbatch": ["--oversubscribe"]}}
     config = write_job(tmp_path, "advertise", command, scheduler)
@@ -116,17 +122,21 @@ def test_a_submitted_job_bound_to_every_interface_tells_its_agents_the_batch_hos
         return conftest.slurm("squeue", "-h", "-j", job_id, check=False).stdout.strip() == ""
 
     wait_for("the job's end", ended, timeout=180)
+    shown = conftest.slurm("scontrol", "show", "job", job_id).stdout
+    batch_host = re.search(r"BatchHost=(\S+)", shown)
+    assert batch_host, shown
+    address = slurm_network.address(batch_host[1])
     (out,) = tmp_path.glob(".planaria/slurm-*.out")
     output = " ".join(out.read_text().split())
     assert (
-        "this host's address for the allocation's nodes: 127.0.0.1 (the nodes run on this "
-        "machine (127.0.0.1))" in output
+        f"this host's address for the allocation's nodes: {address} (the address this machine "
+        "reaches the nodes from (" in output
     ), output
     assert (
-        f"agents are told the master is at 127.0.0.1: {ADVERTISE_ENV}, as the environment found "
+        f"agents are told the master is at {address}: {ADVERTISE_ENV}, as the environment found "
         "it" in output
     ), output
-    assert "master at https://127.0.0.1:" in output, output
+    assert f"master at https://{address}:" in output, output
     finished = [e for e in job_events(tmp_path) if e["kind"] == "job_finished"]
     # Its two nodes trained: both agents reached the master at the address they were told.
     assert [e["data"]["state"] for e in finished] == ["succeeded"], output

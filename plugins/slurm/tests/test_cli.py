@@ -11,9 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import slurm
+from conftest import job, slurm
 from planaria_slurm import SlurmOptions, SlurmScheduler
-from test_jobs import job
 
 from planaria.plugin import LaunchSpec, NodeState
 from planaria.testing.jobs import run_planaria, wait_for
