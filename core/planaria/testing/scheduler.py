@@ -198,9 +198,15 @@ class SchedulerConformance:
             pytest.fail("with nodes_visible_here = False, override kill_node()")
         pids = cluster.wait_processes(lambda p: len(p) >= 2, handle.node_id, self.start_timeout)
         assert pids, f"no process of {handle.node_id} found to kill"
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
-                os.kill(pid, signal.SIGKILL)
+        # Until none is left: a child its parent was starting as the first ones were found
+        # (a busy machine) would outlive a single sweep, which a dead machine's would not.
+        deadline = time.monotonic() + self.stop_timeout
+        while pids:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+                    os.kill(pid, signal.SIGKILL)
+            assert time.monotonic() < deadline, f"{handle.node_id}'s {pids} survived SIGKILL"
+            pids = cluster.wait_processes(lambda p: not p, handle.node_id, 0.5)
 
     @pytest.fixture
     def cluster(self, scheduler: AnyScheduler, launch_spec: SpecFactory) -> Iterator[Cluster]:
