@@ -23,7 +23,7 @@ T = TypeVar("T")
 
 
 def run_planaria(
-    where: Path, *args: str, timeout: float = 240, env: Mapping[str, str] | None = None
+    where: Path, *args: str, timeout: float = 600, env: Mapping[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """``python -m planaria ARGS`` in ``where``, its output captured (wide, for tables)."""
     return subprocess.run(
