@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-if not __package__:  # run as a script: import through the package
+if not __package__:  # loaded by its path, not as benchmarks.NAME: import through the package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.harness import fstype, leaves, make_state

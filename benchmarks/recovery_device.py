@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-if not __package__:  # run as a script: import through the package
+if not __package__:  # loaded by its path, not as benchmarks.NAME: import through the package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.harness import (
