@@ -63,9 +63,7 @@ import gc
 import json
 import mmap
 import os
-import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -77,6 +75,10 @@ from typing import Any
 
 import torch
 
+if not __package__:  # run as ``python benchmarks/checkpoint.py``: import through the package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness import exit_on_sigterm, fstype, leaves, make_state
 from planaria import leftovers
 from planaria.log import configure as configure_logging
 
@@ -95,86 +97,6 @@ CHECKED = 4
 
 
 # -- the state -----------------------------------------------------------------------------------
-
-
-def make_state(
-    size_mib: float, tensors: int, seed: int, fill: bool, device: str = "cpu"
-) -> dict[str, Any]:
-    """A model plus an Adam-like optimizer state of ``tensors`` float32 tensors in all, about
-    ``size_mib`` MiB, on ``device``. The shapes depend only on the arguments; values are random
-    when ``fill`` (the same for the same seed and device), else zeros (a restarted worker's
-    freshly built model: allocated and written)."""
-    if tensors < 3:
-        raise SystemExit(
-            f"--tensors must be at least 3 (a parameter and its two moments): {tensors}"
-        )
-    if size_mib <= 0:
-        raise SystemExit(f"--size-mib must be positive: {size_mib}")
-    rng = random.Random(seed)
-    params = tensors // 3
-    buffers = tensors - 3 * params
-    elements = int(size_mib * (1 << 20) / 4 / 3)  # the model is a third: params + two moments
-    big = min(4, params)
-    weights = [40.0] * big + [
-        rng.uniform(0.001, 0.01) if rng.random() < 0.5 else rng.uniform(1.0, 4.0)
-        for _ in range(params - big)
-    ]
-    total = sum(weights)
-    generator = torch.Generator(device=device).manual_seed(seed)
-
-    def tensor(shape: tuple[int, ...]) -> torch.Tensor:
-        out = torch.empty(shape, dtype=torch.float32, device=device)
-        if fill:
-            out.uniform_(-1.0, 1.0, generator=generator)
-        else:
-            out.zero_()
-        return out
-
-    def shape_of(numel: int) -> tuple[int, ...]:
-        numel = max(numel, 1)
-        if numel < 1 << 16:
-            return (numel,)
-        cols = 1024
-        return (numel // cols, cols)
-
-    model: dict[str, torch.Tensor] = {}
-    shapes = [shape_of(int(elements * w / total)) for w in weights]
-    for i, shape in enumerate(shapes):
-        kind = "weight" if len(shape) == 2 else "bias"
-        model[f"layers.{i}.{kind}"] = tensor(shape)
-    for i in range(buffers):
-        model[f"buffers.{i}.running_mean"] = tensor((1024,))
-    optim_state = {
-        i: {"step": 100.0, "exp_avg": tensor(shape), "exp_avg_sq": tensor(shape)}
-        for i, shape in enumerate(shapes)
-    }
-    return {
-        "model": model,
-        "optim": {
-            "state": optim_state,
-            "param_groups": [
-                {
-                    "lr": 1e-3,
-                    "betas": (0.9, 0.999),
-                    "eps": 1e-8,
-                    "weight_decay": 0.0,
-                    "params": list(range(params)),
-                }
-            ],
-        },
-        "step": 100,
-    }
-
-
-def leaves(state: Any) -> list[torch.Tensor]:
-    """Every tensor of ``state``, in a fixed order."""
-    if isinstance(state, torch.Tensor):
-        return [state]
-    if isinstance(state, dict):
-        return [t for v in state.values() for t in leaves(v)]
-    if isinstance(state, (list, tuple)):
-        return [t for v in state for t in leaves(v)]
-    return []
 
 
 def fingerprint(tensors: list[torch.Tensor]) -> list[float]:
@@ -260,25 +182,10 @@ def disk_dir(requested: str | None) -> Path:
     else:
         tmp = Path(tempfile.gettempdir())
         parent = tmp if os.stat(tmp).st_dev == os.stat(ROOT).st_dev else ROOT
-    fstype = _fstype(parent)
-    if fstype in {"tmpfs", "ramfs"}:
-        raise SystemExit(f"--dir {parent} is on {fstype}: torch.save must go to a disk")
+    kind = fstype(parent)
+    if kind in {"tmpfs", "ramfs"}:
+        raise SystemExit(f"--dir {parent} is on {kind}: torch.save must go to a disk")
     return parent
-
-
-def _fstype(path: Path) -> str:
-    best, kind = "", "?"
-    resolved = str(path.resolve())
-    with contextlib.suppress(OSError), open("/proc/mounts") as mounts:
-        for line in mounts:
-            fields = line.split()
-            if (
-                len(fields) >= 3
-                and (resolved + "/").startswith(fields[1].rstrip("/") + "/")
-                and len(fields[1]) >= len(best)
-            ):
-                best, kind = fields[1], fields[2]
-    return kind
 
 
 # -- the restarted worker (a child process) ------------------------------------------------------
@@ -575,7 +482,7 @@ def main() -> None:
         args.size_mib = 1024.0
     if args.restore_child:
         if on_device:
-            from checkpoint_device import restore_child as device_restore_child
+            from benchmarks.checkpoint_device import restore_child as device_restore_child
 
             device_restore_child(args)
         else:
@@ -583,14 +490,14 @@ def main() -> None:
         return
     if args.runs < 1:
         raise SystemExit(f"--runs must be at least 1: {args.runs}")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up on a kill, too
+    exit_on_sigterm()  # clean up on a kill, too
 
     parent = disk_dir(args.dir)
     configure_logging(level="warning")  # the restarted worker logs as a worker does
     with leftovers.Sweeper() as sweeper:  # checks at the end even if the benchmark fails
         with sweeper.trial("the benchmark (its persister)"):
             if on_device:
-                from checkpoint_device import run_device
+                from benchmarks.checkpoint_device import run_device
 
                 result = run_device(args, parent)
             else:
@@ -609,7 +516,7 @@ def measure(args: argparse.Namespace, parent: Path, sweeper: leftovers.Sweeper) 
             f"flash checkpoint: {bench.bytes / (1 << 20):.1f} MiB in {len(bench.tensors)} float32 "
             f"tensors (model + optimizer moments), {args.runs} interleaved runs; torch "
             f"{torch.__version__}, {torch.get_num_threads()} threads; files in {work} "
-            f"({_fstype(work)})",
+            f"({fstype(work)})",
             flush=True,
         )
         bench.warm_up()

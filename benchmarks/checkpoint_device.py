@@ -1,7 +1,7 @@
 """Flash checkpoint of device tensors: ``benchmarks/checkpoint.py --device cuda``.
 
 One state dict of float32 tensors on the device (default 4 GiB: a model plus two Adam moments,
-the shapes of ``checkpoint.make_state``) is saved and restored by each method below, every one
+the shapes of ``harness.make_state``) is saved and restored by each method below, every one
 of them in each of ``--runs`` runs; the table shows the median, min and max.
 
 Save (the time training is blocked; each ends when the copy is complete):
@@ -59,7 +59,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from checkpoint import _fstype, leaves, make_state
+
+if not __package__:  # loaded by its path, not as benchmarks.NAME: import through the package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness import fstype, leaves, make_state
 
 TARGETS = {
     "save_vs_pinned_d2h": 1.15,
@@ -452,7 +456,7 @@ def run_device(args: argparse.Namespace, parent: Path) -> dict[str, Any]:
         print(
             f"flash checkpoint on {dev.name} ({dev.describe()}): {bench.bytes / (1 << 20):.1f} "
             f"MiB in {len(bench.tensors)} float32 tensors, {args.runs} runs; torch "
-            f"{torch.__version__}; files in {work} ({_fstype(work)})",
+            f"{torch.__version__}; files in {work} ({fstype(work)})",
             flush=True,
         )
         if bench.overlap_missing is not None:

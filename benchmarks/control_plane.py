@@ -52,6 +52,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+if not __package__:  # run as ``python benchmarks/control_plane.py``: import through the package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness import exit_on_sigterm
+
 HERE = Path(__file__).resolve().parent
 HOLD = 1.0  # master.heartbeat_interval: how long the master holds a heartbeat's long poll
 SETTLE = 5.0
@@ -505,7 +510,7 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the masters' run directories")
     args = parser.parse_args()
     # Stopped from outside: the masters are stopped on the way out (finally), not left behind.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    exit_on_sigterm()
     _raise_open_files()
     # The load generator's own state (10,000 agents) is long-lived too: keep the collector
     # from walking it over and over, as the master does (planaria.master.scale).

@@ -13,7 +13,7 @@ fault (the reference: its final weights), then once per fault, and each row says
   stops no training the row says what it measures instead.
 
 Faults come from chaos rules (``planaria run``'s fault injection) where one fits, otherwise
-from this script while the job runs (``driver`` functions in :mod:`faults_trial`).
+from this script while the job runs (``driver`` functions in :mod:`benchmarks.faults_trial`).
 
 Run:  python benchmarks/faults.py [--only NAME[,NAME]] [--list] [--timeout S]
 Root is needed for the disk-full row (it mounts a small tmpfs) and the partition row (network
@@ -39,7 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from faults_trial import Event, Outcome, Trial, open_files
+if not __package__:  # run as ``python benchmarks/faults.py``: import through the package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.faults_trial import Event, Outcome, Trial, open_files
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_gpt.py"

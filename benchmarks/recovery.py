@@ -36,67 +36,36 @@ this machine, against the local scheduler (benchmarks/recovery_ray.py).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import os
-import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
+if not __package__:  # run as ``python benchmarks/recovery.py``: import through the package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness import (
+    EXAMPLE,
+    STEP,
+    Trial,
+    chaos,
+    exit_on_sigterm,
+    interleave,
+    measure,
+    ratio,
+    run_group,
+    run_launcher,
+    summarise,
+    train_args,
+)
 from planaria import leftovers
-
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "examples" / "train_gpt.py"
-KILL = re.compile(r"planaria chaos: kill_worker .* time=(?P<t>[0-9.]+)")
-STEP = re.compile(r"^step (?P<step>\d+) loss \S+ time (?P<t>[0-9.]+)$")
-RESUMED = re.compile(r"^resumed from step (?P<step>\d+)( \((?P<where>\w+)\))?$")
-
-
-@dataclass
-class Trial:
-    ok: bool
-    mttr: float | None = None
-    steps_lost: int | None = None
-    wall: float = 0.0
-    note: str = ""
-
-
-def measure(rank0: str, killed: str, kill_at: int, ok: bool, wall: float, note: str) -> Trial:
-    kill = KILL.search(killed)
-    if not ok or kill is None:
-        return Trial(False, wall=wall, note=note or "no kill seen")
-    kill_time = float(kill["t"])
-    resumed_at: int | None = None
-    for line in rank0.splitlines():
-        line = line.strip()
-        if (m := RESUMED.match(line)) is not None:
-            resumed_at = int(m["step"])
-        elif (m := STEP.match(line)) and resumed_at is not None and float(m["t"]) > kill_time:
-            first = int(m["step"])
-            return Trial(True, float(m["t"]) - kill_time, max(0, kill_at - first + 1), wall)
-    return Trial(False, wall=wall, note="no step after the restart")
-
-
-def train_args(args: argparse.Namespace, ckpt: Path) -> list[str]:
-    return [
-        str(EXAMPLE),
-        "--steps", str(args.steps),
-        "--ckpt-every", str(args.ckpt_every),
-        "--ckpt-dir", str(ckpt),
-    ]  # fmt: skip
-
-
-def chaos(args: argparse.Namespace) -> str:
-    return json.dumps([{"kind": "kill_worker", "rank": 1, "at_step": args.kill_at}])
 
 
 def run_planaria(args: argparse.Namespace, work: Path) -> Trial:
@@ -133,34 +102,6 @@ def run_planaria(args: argparse.Namespace, work: Path) -> Trial:
     return measure(rank0, killed, args.kill_at, ok, wall, note)
 
 
-def run_group(
-    command: list[str], cwd: Path, env: dict[str, str], timeout: float
-) -> subprocess.CompletedProcess[str]:
-    """Run ``command`` in a session of its own; past ``timeout`` kill the whole session, so
-    that the workers of a hung launcher (torchrun's are not tied to it) do not outlive it.
-
-    Its output goes to files, not pipes: a worker that left the session (or that a killed
-    launcher left to init) would hold a pipe open, and reading it to the end would wait for
-    that worker. What left the session is the trial's sweep's (:class:`leftovers.Sweeper`)."""
-    out_path, err_path = cwd / "launcher.out", cwd / "launcher.err"
-
-    def output() -> tuple[str, str]:
-        return out_path.read_text(errors="replace"), err_path.read_text(errors="replace")
-
-    with out_path.open("w") as out, err_path.open("w") as err:
-        proc = subprocess.Popen(
-            command, cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=True
-        )
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired as exc:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise subprocess.TimeoutExpired(command, timeout, *output()) from exc
-    return subprocess.CompletedProcess(command, proc.returncode, *output())
-
-
 def run_torchrun(args: argparse.Namespace, work: Path, workaround: bool) -> Trial:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PLANARIA_CHAOS": chaos(args)}
     env.pop("PLANARIA_PROGRESS_FILE", None)
@@ -175,51 +116,6 @@ def run_torchrun(args: argparse.Namespace, work: Path, workaround: bool) -> Tria
     ]  # fmt: skip
     ok, output, note, wall = run_launcher(command, work, env, args.timeout)
     return measure(output, output, args.kill_at, ok, wall, note)
-
-
-def run_launcher(
-    command: list[str], cwd: Path, env: dict[str, str], timeout: float
-) -> tuple[bool, str, str, float]:
-    """A launcher (torchrun) run through :func:`run_group`: whether it succeeded, its output,
-    what went wrong (its last error line, or a hang) and its wall time."""
-    started = time.time()
-    try:
-        proc = run_group(command, cwd, env, timeout)
-        ok, output = proc.returncode == 0, proc.stdout + proc.stderr
-        note = "" if ok else _last_error(output)
-    except subprocess.TimeoutExpired as exc:
-        output = _text(exc.stdout) + _text(exc.stderr)
-        ok, note = False, "timed out (hang)"
-    return ok, output, note, time.time() - started
-
-
-def _text(data: bytes | str | None) -> str:
-    if data is None:
-        return ""
-    return data.decode(errors="replace") if isinstance(data, bytes) else data
-
-
-def _last_error(output: str) -> str:
-    for line in reversed(output.splitlines()):
-        if "Error" in line or "refused" in line:
-            return line.strip()[-200:]
-    return output.strip().splitlines()[-1][-200:] if output.strip() else "failed"
-
-
-def summarise(name: str, trials: list[Trial]) -> dict[str, object]:
-    good = [t for t in trials if t.ok and t.mttr is not None]
-    mttr = statistics.median(t.mttr for t in good if t.mttr is not None) if good else None
-    lost = (
-        statistics.median(t.steps_lost for t in good if t.steps_lost is not None) if good else None
-    )
-    failed = len(trials) - len(good)
-    figures = ", ".join(
-        f"{t.mttr:.2f}s" if t.ok and t.mttr is not None else f"FAILED ({t.note})" for t in trials
-    )
-    shown = "-" if mttr is None else f"{mttr:.2f}s"
-    print(f"{name:<28} median MTTR {shown:>7}  failed {failed}/{len(trials)}  steps lost {lost}")
-    print(f"{'':<28} trials: {figures}")
-    return {"mttr": mttr, "failed": failed, "steps_lost": lost}
 
 
 def step_time(args: argparse.Namespace, work: Path, checkpoint: bool) -> float:
@@ -333,50 +229,25 @@ def main() -> None:
     ):
         if getattr(args, name) is None:
             setattr(args, name, device if on_device else cpu)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still sweeps the trial
+    exit_on_sigterm()  # a kill still sweeps the trial
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     if args.scheduler == "slurm":
-        import recovery_slurm  # here: only this variant needs Slurm
+        from benchmarks import recovery_slurm  # here: only this variant needs Slurm
 
         recovery_slurm.main(args)
         return
     if args.scheduler == "ray":
-        import recovery_ray  # here: only this variant needs Ray
+        from benchmarks import recovery_ray  # here: only this variant needs Ray
 
         recovery_ray.main(args)
         return
     with leftovers.Sweeper() as sweeper:  # checks at the end even if the benchmark fails
         if on_device:
-            import recovery_device  # here: only this variant needs a GPU
+            from benchmarks import recovery_device  # here: only this variant needs a GPU
 
             recovery_device.main(args, sweeper)
         else:
             compare(args, sweeper)
-
-
-def interleave(
-    count: int, runners: dict[str, Callable[[Path], Trial]], sweeper: leftovers.Sweeper
-) -> dict[str, list[Trial]]:
-    """``count`` trials of each runner, interleaved (machine drift hits all alike), each in a
-    work directory of its own and swept after it; each printed as it ends."""
-    trials: dict[str, list[Trial]] = {name: [] for name in runners}
-    width = max(len(name) for name in runners) + 2
-    for trial in range(count):
-        for name, runner in runners.items():
-            work = Path(tempfile.mkdtemp(prefix="planaria-bench-"))
-            try:
-                with sweeper.trial(f"trial {trial + 1}: {name}"):
-                    result = runner(work)
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
-            trials[name].append(result)
-            shown = f"{result.mttr:.2f}s" if result.ok and result.mttr is not None else "failed"
-            note = f"  {result.note}" if not result.ok and result.note else ""
-            print(
-                f"trial {trial + 1}: {name:<{width}} MTTR {shown}  (wall {result.wall:.1f}s){note}",
-                flush=True,
-            )
-    return trials
 
 
 def compare(args: argparse.Namespace, sweeper: leftovers.Sweeper) -> None:
@@ -394,17 +265,13 @@ def compare(args: argparse.Namespace, sweeper: leftovers.Sweeper) -> None:
     workaround = summarise("torchrun (workaround)", trials["torchrun (workaround)"])
     cost = overhead(args, sweeper)
     left = sweeper.final()
-    ratio = (
-        None
-        if planaria["mttr"] is None or workaround["mttr"] is None
-        else planaria["mttr"] / workaround["mttr"]  # type: ignore[operator]
-    )
+    against = ratio(planaria["mttr"], workaround["mttr"])
     print(
         json.dumps(
             {
                 "planaria_mttr_s": planaria["mttr"],
                 "torchrun_mttr_s": workaround["mttr"],
-                "ratio": ratio,
+                "ratio": against,
                 "steps_lost": planaria["steps_lost"],
                 "planaria_failed": planaria["failed"],
                 "torchrun_default_failed": default["failed"],

@@ -37,17 +37,20 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from recovery import (
+if not __package__:  # loaded by its path, not as benchmarks.NAME: import through the package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness import (
     EXAMPLE,
     RESUMED,
     Trial,
     interleave,
     measure,
+    ratio,
     run_group,
     run_launcher,
     summarise,
 )
-
 from planaria import leftovers
 
 MTTR_TARGET = 0.2
@@ -223,16 +226,12 @@ def compare(args: argparse.Namespace, sweeper: leftovers.Sweeper, keep: Path) ->
         summary["planaria run (kill during a save)"],
         summary["torchrun (kill during a save)"],
     )
-    ratio = (
-        None
-        if during["mttr"] is None or torch_during["mttr"] is None
-        else float(during["mttr"]) / float(torch_during["mttr"])  # type: ignore[arg-type]
-    )
+    against = ratio(during["mttr"], torch_during["mttr"])
     lost = [t.steps_lost for t in trials["planaria run (kill during a save)"] if t.ok]
     bitwise = [same_weights(finals[0], f) for f in finals[1:]]
     verdicts = {
         "kill_during_save_loses_0_steps": bool(lost) and all(n == 0 for n in lost),
-        "mttr_vs_torchrun": ratio is not None and ratio <= MTTR_TARGET,
+        "mttr_vs_torchrun": against is not None and against <= MTTR_TARGET,
         "bitwise_equal_to_fault_free": bool(bitwise) and all(bitwise),
     }
     print("\ntarget                                  value        verdict")
@@ -240,7 +239,7 @@ def compare(args: argparse.Namespace, sweeper: leftovers.Sweeper, keep: Path) ->
         f"  {'kill during a save: steps lost':<37} {lost!s:<12} "
         f"{'PASS' if verdicts['kill_during_save_loses_0_steps'] else 'FAIL'}"
     )
-    shown = "n/a" if ratio is None else f"{ratio:.3f}x"
+    shown = "n/a" if against is None else f"{against:.3f}x"
     print(
         f"  {'MTTR during a save vs torchrun':<37} {shown:<12} <= {MTTR_TARGET}x "
         f"{'PASS' if verdicts['mttr_vs_torchrun'] else 'FAIL'}"
@@ -257,7 +256,7 @@ def compare(args: argparse.Namespace, sweeper: leftovers.Sweeper, keep: Path) ->
                 "procs": args.procs,
                 "planaria_during_mttr_s": during["mttr"],
                 "torchrun_during_mttr_s": torch_during["mttr"],
-                "ratio": ratio,
+                "ratio": against,
                 "steps_lost_during": lost,
                 "runners": summary,
                 "pass": verdicts,

@@ -23,7 +23,6 @@ carries it is killed and named, and the end checks all of them (``left_behind``)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -32,9 +31,25 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import recovery as common
-import recovery_slurm as shared
+if not __package__:  # loaded by its path, not as benchmarks.NAME: import through the package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.harness import (
+    KILL,
+    Trial,
+    chaos,
+    fault_table,
+    interleave,
+    interrupted,
+    kill_marked,
+    last_step,
+    launch,
+    measure_fault,
+    note_of,
+    rank0_log,
+    summarise,
+    train_args,
+)
 from planaria import leftovers
 from planaria.protocol import NODE_ID_ENV
 from planaria_ray.testing import AGENT, LocalCluster
@@ -42,12 +57,12 @@ from planaria_ray.testing import AGENT, LocalCluster
 
 def run(
     args: argparse.Namespace, work: Path, cluster: LocalCluster | None, node_loss: bool
-) -> common.Trial:
+) -> Trial:
     """One ``planaria run``: on the Ray cluster, or (``cluster`` None) the local scheduler."""
     config: dict[str, object] = {
         "job": {
             "name": "bench",
-            "command": [sys.executable, *common.train_args(args, work / "ckpt")],
+            "command": [sys.executable, *train_args(args, work / "ckpt")],
             "nodes": 2,
             "procs_per_node": args.procs_per_node,
             "max_restarts": 3,
@@ -59,11 +74,11 @@ def run(
         options = {"address": cluster.address, "resources": AGENT, "stop_grace": "1s"}
         config["scheduler"] = {"backend": "ray", "options": options}
     if not node_loss:
-        config["chaos"] = json.loads(common.chaos(args))
+        config["chaos"] = json.loads(chaos(args))
     (work / "job.yaml").write_text(json.dumps(config))
 
     def lose_node() -> float | None:
-        if shared.last_step(shared.rank0_log(work)) < args.kill_at:
+        if last_step(rank0_log(work)) < args.kill_at:
             return None
         if cluster is None:
             struck = time.time()
@@ -77,7 +92,7 @@ def run(
     planaria = str(Path(sys.executable).parent / "planaria")
     started = time.time()
     try:
-        ok, output, struck = shared.launch(
+        ok, output, struck = launch(
             [planaria, "run", str(work / "job.yaml")], work, dict(os.environ),
             args.timeout, lose_node if node_loss else None,
         )  # fmt: skip
@@ -85,30 +100,23 @@ def run(
         if cluster is not None and node_loss:
             cluster.add_node()  # the spare for the next trial
     wall = time.time() - started
-    note = shared._note(ok, output)
+    note = note_of(ok, output)
     if not node_loss:
         killed = next(work.glob("planaria-runs/*/logs/rank-1.log"), None)
-        kill = common.KILL.search(killed.read_text(errors="replace")) if killed else None
+        kill = KILL.search(killed.read_text(errors="replace")) if killed else None
         struck = float(kill["t"]) if kill else None
-    return shared.measure(shared.rank0_log(work), struck, ok, wall, note)
+    return measure_fault(rank0_log(work), struck, ok, wall, note)
 
 
 def kill_local_node(node_id: str) -> bool:
     """SIGKILL every process of this run (its marker) that belongs to ``node_id``."""
     marker = os.environ.get(leftovers.VARIABLE, "")
     wanted = {f"{leftovers.VARIABLE}={marker}".encode(), f"{NODE_ID_ENV}={node_id}".encode()}
-    doomed = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and wanted <= set(shared._environ(proc.name)):
-            doomed.append(int(proc.name))
-    for pid in doomed:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    return bool(doomed)
+    return kill_marked(wanted)
 
 
 def main(args: argparse.Namespace) -> None:
-    signal.signal(signal.SIGTERM, shared._interrupted)  # so that the cluster is shut down
+    signal.signal(signal.SIGTERM, interrupted)  # so that the cluster is shut down
     with leftovers.Sweeper() as sweeper:  # checks at the end even if the benchmark fails
         print("starting a Ray cluster of 4 nodes on loopback", flush=True)
         cluster = LocalCluster(workers=3)
@@ -121,25 +129,25 @@ def main(args: argparse.Namespace) -> None:
 
 def compare(
     args: argparse.Namespace, cluster: LocalCluster, sweeper: leftovers.Sweeper
-) -> dict[str, list[common.Trial]]:
+) -> dict[str, list[Trial]]:
     """The trials, interleaved."""
-    runners: dict[str, Callable[[Path], common.Trial]] = {
+    runners: dict[str, Callable[[Path], Trial]] = {
         "kill: ray": lambda w: run(args, w, cluster, node_loss=False),
         "kill: local": lambda w: run(args, w, None, node_loss=False),
         "node: ray": lambda w: run(args, w, cluster, node_loss=True),
         "node: local": lambda w: run(args, w, None, node_loss=True),
     }
-    return common.interleave(args.trials, runners, sweeper)
+    return interleave(args.trials, runners, sweeper)
 
 
 def report(
-    args: argparse.Namespace, trials: dict[str, list[common.Trial]], sweeper: leftovers.Sweeper
+    args: argparse.Namespace, trials: dict[str, list[Trial]], sweeper: leftovers.Sweeper
 ) -> None:
-    figures = {name: common.summarise(name, found) for name, found in trials.items()}
+    figures = {name: summarise(name, found) for name, found in trials.items()}
     print()
     print("node loss, ray: SIGKILL of node-1's raylet; local: SIGKILL of node-1's agent+workers")
     result: dict[str, object] = {"scheduler": "ray", "trials": args.trials}
-    result |= shared.fault_table(figures, ("ray", "ray", "ray"), ("local", "local", "local"))
+    result |= fault_table(figures, ("ray", "ray", "ray"), ("local", "local", "local"))
     left = sweeper.final()
     result["survivors_killed"] = len(sweeper.killed)
     result["left_behind"] = len(left)

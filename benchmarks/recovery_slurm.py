@@ -40,14 +40,31 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import recovery as common
+if not __package__:  # loaded by its path, not as benchmarks.NAME: import through the package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.harness import (
+    KILL,
+    ROOT,
+    Trial,
+    chaos,
+    environ_of,
+    fault_table,
+    interleave,
+    interrupted,
+    last_step,
+    launch,
+    measure_fault,
+    note_of,
+    rank0_log,
+    summarise,
+    train_args,
+)
 from planaria import leftovers
 
-CLUSTER = common.ROOT / "plugins" / "slurm" / "tests" / "cluster.sh"
+CLUSTER = ROOT / "plugins" / "slurm" / "tests" / "cluster.sh"
 NODES = 4
 SBATCH_NODES = 3  # 2 for the job, 1 spare
-HANG = "\ntimed out (hang)"
 TORCHRUN_NODE_LOSS = "SIGKILL of node 2's torchrun agent and its workers (not scancel)"
 
 
@@ -129,83 +146,12 @@ def allocation(work: Path) -> Iterator[str]:
             time.sleep(0.2)
 
 
-def launch(
-    command: list[str],
-    work: Path,
-    env: dict[str, str],
-    timeout: float,
-    fault: Callable[[], float | None] | None = None,
-) -> tuple[bool, str, float | None]:
-    """Run ``command`` in a session of its own, output to a file; ``fault`` is called every
-    20 ms until it returns the time it struck. Returns (exit 0, output, fault time)."""
-    log = work / "launcher.log"
-    struck: float | None = None
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            command, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
-            text=True, start_new_session=True,
-        )  # fmt: skip
-        deadline = time.monotonic() + timeout
-        try:
-            while proc.poll() is None and time.monotonic() < deadline:
-                if fault is not None and struck is None:
-                    struck = fault()
-                time.sleep(0.02)
-        finally:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    timed_out = time.monotonic() >= deadline and proc.returncode != 0
-    output = log.read_text(errors="replace")
-    return proc.returncode == 0, output + (HANG if timed_out else ""), struck
-
-
-def last_step(text: str) -> int:
-    steps = [int(m["step"]) for line in text.splitlines() if (m := common.STEP.match(line))]
-    return steps[-1] if steps else -1
-
-
-def _note(ok: bool, output: str) -> str:
-    if ok:
-        return ""
-    return HANG.strip() if output.endswith(HANG) else common._last_error(output)
-
-
-def rank0_log(work: Path) -> str:
-    """What rank 0 of the ``planaria run`` in ``work`` logged so far."""
-    found = next(work.glob("planaria-runs/*/logs/rank-0.log"), None)
-    return found.read_text(errors="replace") if found else ""
-
-
-def measure(rank0: str, struck: float | None, ok: bool, wall: float, note: str) -> common.Trial:
-    """MTTR from ``struck`` to rank 0's first step after it resumed; steps lost: the steps
-    rank 0 had done by then that it did again."""
-    if struck is None:
-        return common.Trial(False, wall=wall, note=note or "the fault never struck")
-    before = [
-        int(m["step"])
-        for line in rank0.splitlines()
-        if (m := common.STEP.match(line.strip())) and float(m["t"]) <= struck
-    ]
-    done = before[-1] if before else 0
-    resumed = False
-    for line in rank0.splitlines():
-        line = line.strip()
-        if common.RESUMED.match(line):
-            resumed = True
-        elif (m := common.STEP.match(line)) and resumed and float(m["t"]) > struck:
-            first = int(m["step"])
-            return common.Trial(True, float(m["t"]) - struck, max(0, done - first + 1), wall)
-    return common.Trial(False, wall=wall, note=note or "no step after the fault")
-
-
-def run_planaria(args: argparse.Namespace, work: Path, node_loss: bool) -> common.Trial:
+def run_planaria(args: argparse.Namespace, work: Path, node_loss: bool) -> Trial:
     with allocation(work) as job_id:
         config: dict[str, object] = {
             "job": {
                 "name": "bench",
-                "command": [sys.executable, *common.train_args(args, work / "ckpt")],
+                "command": [sys.executable, *train_args(args, work / "ckpt")],
                 "nodes": 2,
                 "procs_per_node": args.procs_per_node,
                 "max_restarts": 3,
@@ -214,7 +160,7 @@ def run_planaria(args: argparse.Namespace, work: Path, node_loss: bool) -> commo
             "diagnosis": {"checks": []},
         }
         if not node_loss:
-            config["chaos"] = json.loads(common.chaos(args))
+            config["chaos"] = json.loads(chaos(args))
         (work / "job.yaml").write_text(json.dumps(config))
 
         def cancel_node() -> float | None:
@@ -236,12 +182,12 @@ def run_planaria(args: argparse.Namespace, work: Path, node_loss: bool) -> commo
             args.timeout, cancel_node if node_loss else None,
         )  # fmt: skip
         wall = time.time() - started
-    note = _note(ok, output)
+    note = note_of(ok, output)
     if not node_loss:
         killed = next(work.glob("planaria-runs/*/logs/rank-1.log"), None)
-        kill = common.KILL.search(killed.read_text(errors="replace")) if killed else None
+        kill = KILL.search(killed.read_text(errors="replace")) if killed else None
         struck = float(kill["t"]) if kill else None
-    return measure(rank0_log(work), struck, ok, wall, note)
+    return measure_fault(rank0_log(work), struck, ok, wall, note)
 
 
 def _free_port() -> int:
@@ -258,13 +204,6 @@ def _first_node_addr(job_id: str) -> str:
     return found[1] if found else nodes.split()[0]
 
 
-def _environ(pid: str) -> list[bytes]:
-    try:
-        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return []
-
-
 def kill_torchrun_node(job_id: str, node_id: int, held: set[Path]) -> bool:
     """SIGKILL the torchrun agent that Slurm runs as node ``node_id``'s task of the job, and
         its workers. Every node of this cluster is this machine, so /proc holds them all; the shared
@@ -276,7 +215,7 @@ def kill_torchrun_node(job_id: str, node_id: int, held: set[Path]) -> bool:
     for line in table.stdout.splitlines():
         pid, ppid, cmd = [*line.split(None, 2), ""][:3]
         children.setdefault(ppid, []).append(pid)
-        if "torchrun" in cmd and not cmd.startswith("srun") and marks <= set(_environ(pid)):
+        if "torchrun" in cmd and not cmd.startswith("srun") and marks <= set(environ_of(pid)):
             agents.append(pid)
     agents = [a for a in agents if not any(a in children.get(b, []) for b in agents)]
     doomed, todo = [], list(agents)
@@ -309,13 +248,11 @@ def _shm_of(pid: str) -> set[Path]:
     }
 
 
-def run_torchrun(
-    args: argparse.Namespace, work: Path, workaround: bool, node_loss: bool
-) -> common.Trial:
+def run_torchrun(args: argparse.Namespace, work: Path, workaround: bool, node_loss: bool) -> Trial:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("PLANARIA_PROGRESS_FILE", None)
     if not node_loss:
-        env["PLANARIA_CHAOS"] = common.chaos(args)
+        env["PLANARIA_CHAOS"] = chaos(args)
     if workaround:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     with allocation(work) as job_id:
@@ -325,7 +262,7 @@ def run_torchrun(
             str(Path(sys.executable).parent / "torchrun"),
             "--nnodes=2", f"--nproc-per-node={args.procs_per_node}", "--max-restarts", "3",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", f"bench-{job_id}",
-            *common.train_args(args, work / "ckpt"),
+            *train_args(args, work / "ckpt"),
         ]  # fmt: skip
         log = work / "launcher.log"
         held: set[Path] = set()
@@ -344,75 +281,36 @@ def run_torchrun(
         wall = time.time() - started
     for path in held:
         shutil.rmtree(path, ignore_errors=True)
-    note = _note(ok, output)
+    note = note_of(ok, output)
     if not node_loss:
-        kill = common.KILL.search(output)
+        kill = KILL.search(output)
         struck = float(kill["t"]) if kill else None
-    return measure(output, struck, ok, wall, note)
-
-
-def fault_table(
-    figures: dict[str, dict[str, object]], mine: tuple[str, str, str], theirs: tuple[str, str, str]
-) -> dict[str, object]:
-    """Print MTTR per fault (worker kill, node loss) of two kinds of run and their ratio; returns
-    the figures for the JSON. ``mine`` and ``theirs``: the column's heading, its name in the
-    JSON keys, and its runners' names after ``kill: `` / ``node: ``."""
-
-    def shown(value: object) -> str:
-        return f"{value:.2f}s" if isinstance(value, float) else "failed"
-
-    print(f"{'fault':<12} {mine[0]:>14} {theirs[0]:>14} {'ratio':>8}")
-    result: dict[str, object] = {}
-    for fault, key, prefix in (
-        ("worker kill", "kill", "worker_kill"),
-        ("node loss", "node", "node_loss"),
-    ):
-        a, b = figures[f"{key}: {mine[2]}"], figures[f"{key}: {theirs[2]}"]
-        ratio = (
-            a["mttr"] / b["mttr"]
-            if isinstance(a["mttr"], float) and isinstance(b["mttr"], float) and b["mttr"]
-            else None
-        )
-        shown_ratio = "-" if ratio is None else f"{ratio:.2f}"
-        print(f"{fault:<12} {shown(a['mttr']):>14} {shown(b['mttr']):>14} {shown_ratio:>8}")
-        result |= {
-            f"{prefix}_{mine[1]}_mttr_s": a["mttr"],
-            f"{prefix}_{theirs[1]}_mttr_s": b["mttr"],
-            f"{prefix}_ratio": ratio,
-            f"{prefix}_steps_lost": a["steps_lost"],
-            f"{prefix}_{mine[1]}_failed": a["failed"],
-            f"{prefix}_{theirs[1]}_failed": b["failed"],
-        }
-    return result
-
-
-def _interrupted(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+    return measure_fault(output, struck, ok, wall, note)
 
 
 def main(args: argparse.Namespace) -> None:
-    runners: dict[str, Callable[[Path], common.Trial]] = {
+    runners: dict[str, Callable[[Path], Trial]] = {
         "kill: planaria run": lambda w: run_planaria(args, w, node_loss=False),
         "kill: torchrun (defaults)": lambda w: run_torchrun(args, w, False, node_loss=False),
         "kill: torchrun (workaround)": lambda w: run_torchrun(args, w, True, node_loss=False),
         "node: planaria run": lambda w: run_planaria(args, w, node_loss=True),
         "node: torchrun (workaround)": lambda w: run_torchrun(args, w, True, node_loss=True),
     }
-    signal.signal(signal.SIGTERM, _interrupted)  # so that the cluster is stopped all the same
+    signal.signal(signal.SIGTERM, interrupted)  # so that the cluster is stopped all the same
     with leftovers.Sweeper() as sweeper:  # checks at the end even if the benchmark fails
         compare(args, runners, sweeper)
 
 
 def compare(
     args: argparse.Namespace,
-    runners: dict[str, Callable[[Path], common.Trial]],
+    runners: dict[str, Callable[[Path], Trial]],
     sweeper: leftovers.Sweeper,
 ) -> None:
     """The trials on the cluster and the report."""
     with cluster():
-        trials = common.interleave(args.trials, runners, sweeper)
+        trials = interleave(args.trials, runners, sweeper)
     print()
-    figures = {name: common.summarise(name, found) for name, found in trials.items()}
+    figures = {name: summarise(name, found) for name, found in trials.items()}
     print(f"node loss, torchrun: {TORCHRUN_NODE_LOSS}; planaria: scancel of the node's step")
     print()
     result: dict[str, object] = {"scheduler": "slurm", "trials": args.trials}

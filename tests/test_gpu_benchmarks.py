@@ -5,6 +5,7 @@ benchmarks/recovery_device.py judges a kill during a save."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -79,14 +80,10 @@ KILLED = "planaria chaos: kill_worker rank=1 at_step=10 in_save time=102.5\n"
 
 
 @pytest.fixture
-def recovery_device():  # type: ignore[no-untyped-def]
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import recovery_device
-
-        yield recovery_device
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+def recovery_device(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """benchmarks.recovery_device, imported through the package as its script imports it."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    return importlib.import_module("benchmarks.recovery_device")
 
 
 @pytest.mark.parametrize(

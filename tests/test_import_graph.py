@@ -1,8 +1,15 @@
-"""No import cycles in the ``planaria`` package.
+"""No import cycles in the ``planaria`` package, the plugins' packages and the benchmarks.
 
 Every module is read with :mod:`ast` (not imported): imports at the top, inside functions and
 under ``if TYPE_CHECKING`` all count, since each is a dependency a reader has to follow. A cycle
 is a strongly connected component of more than one module; the test lists every one it finds.
+The packages make one graph, so a circle through two of them (the core importing a plugin that
+imports the core) is found too.
+
+A benchmark is run as a script (``python benchmarks/NAME.py``), which puts ``benchmarks/`` on
+``sys.path``: a sibling imported by its bare name there would be a second copy of a module of
+the package (or of ``__main__``) and an edge this graph cannot see, so benchmarks import each
+other only through the package.
 """
 
 from __future__ import annotations
@@ -13,9 +20,16 @@ from pathlib import Path
 
 import pytest
 
-import planaria
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
 
-PACKAGE = Path(planaria.__file__).parent
+
+def packages() -> dict[str, Path]:
+    """Every package of the repository: the core, each plugin's and the benchmarks."""
+    found = {"planaria": ROOT / "core" / "planaria", "benchmarks": BENCHMARKS}
+    for init in sorted(ROOT.glob("plugins/*/src/*/__init__.py")):
+        found[init.parent.name] = init.parent
+    return found
 
 
 def modules(root: Path, package: str) -> dict[str, Path]:
@@ -50,9 +64,13 @@ def _targets(
         yield submodule if submodule in known else origin
 
 
-def import_graph(root: Path, package: str) -> dict[str, set[str]]:
-    """Module -> the modules of the same package it imports."""
-    known = modules(root, package)
+def import_graph(roots: Mapping[str, Path]) -> dict[str, set[str]]:
+    """Module -> the modules it imports, of the packages of ``roots`` (name -> directory)."""
+    known = {
+        name: path
+        for package, root in roots.items()
+        for name, path in modules(root, package).items()
+    }
     graph: dict[str, set[str]] = {}
     for name, path in known.items():
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
@@ -116,9 +134,13 @@ def describe(graph: Mapping[str, set[str]], component: list[str]) -> str:
     return f"{', '.join(component)}\n    " + "\n    ".join(edges)
 
 
-def test_the_package_has_no_import_cycle():
-    graph = import_graph(PACKAGE, "planaria")
+def test_the_packages_have_no_import_cycle():
+    found_packages = packages()
+    assert {"planaria_slurm", "planaria_ray", "planaria_nvidia"} <= set(found_packages)
+    graph = import_graph(found_packages)
     assert "planaria.master.job" in graph and "planaria.cli.run" in graph
+    assert "planaria.protocol" in graph["planaria_slurm.scheduler"]
+    assert "benchmarks.harness" in graph["benchmarks.recovery_slurm"]
     found = cycles(graph)
     assert not found, f"{len(found)} import cycle(s):\n" + "\n".join(
         describe(graph, c) for c in found
@@ -149,7 +171,7 @@ def test_every_cycle_is_found_whatever_form_its_imports_take(tmp_path):
             "lone.py": "import pkg.a\nfrom pkg import lone\n",  # imports itself: no cycle
         },
     )
-    graph = import_graph(root, "pkg")
+    graph = import_graph({"pkg": root})
     assert graph["pkg.a"] == {"pkg.b"}
     assert graph["pkg.sub"] == {"pkg.sub.c"}
     assert graph["pkg.lone"] == {"pkg.a"}
@@ -161,7 +183,66 @@ def test_every_cycle_is_found_whatever_form_its_imports_take(tmp_path):
 def test_a_package_without_cycles_passes(tmp_path):
     root = tmp_path / "pkg"
     _write(root, {"__init__.py": "", "a.py": "import pkg.b\n", "b.py": "import os\n"})
-    assert cycles(import_graph(root, "pkg")) == []
+    assert cycles(import_graph({"pkg": root})) == []
+
+
+def bare_sibling_imports(root: Path) -> list[str]:
+    """Imports in the modules of package ``root`` that name a module of it by its bare name
+    (``import recovery``, ``from harness import X``) rather than through the package."""
+    siblings = {path.stem for path in root.glob("*.py")} | {
+        path.parent.name for path in root.glob("*/__init__.py")
+    }
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            else:
+                continue
+            found += [
+                f"{path.relative_to(root.parent)}:{node.lineno}: {name}"
+                for name in names
+                if name.split(".")[0] in siblings
+            ]
+    return found
+
+
+def test_benchmarks_import_each_other_only_through_the_package():
+    assert bare_sibling_imports(BENCHMARKS) == []
+
+
+def test_a_bare_import_of_a_sibling_is_found(tmp_path):
+    root = tmp_path / "bench"
+    _write(
+        root,
+        {
+            "__init__.py": "",
+            "harness.py": "import os\n",
+            "one.py": "import harness\nfrom bench import harness as h\n",
+            "two.py": "def f():\n    from harness import X\n    import one.sub\n",
+        },
+    )
+    assert bare_sibling_imports(root) == [
+        "bench/one.py:1: harness",
+        "bench/two.py:2: harness",
+        "bench/two.py:3: one.sub",
+    ]
+
+
+def test_a_circle_through_two_packages_is_found(tmp_path):
+    _write(
+        tmp_path,
+        {
+            "core/__init__.py": "",
+            "core/api.py": "def f():\n    import plugin.impl\n",  # the core reaching a plugin
+            "plugin/__init__.py": "",
+            "plugin/impl.py": "from core.api import f\n",
+        },
+    )
+    graph = import_graph({"core": tmp_path / "core", "plugin": tmp_path / "plugin"})
+    assert cycles(graph) == [["core.api", "plugin.impl"]]
 
 
 @pytest.mark.parametrize("size", [3, 2000])
