@@ -23,7 +23,7 @@ BENCH = ROOT / "benchmarks" / "faults.py"
 ROW_KEYS = {"fault": str, "survived": bool, "bitwise_equal": bool, "steps_lost": int}
 
 
-def faults(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def faults(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(BENCH), *args],
         capture_output=True,
