@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from planaria.testing import jobs
 from planaria.testing.jobs import final_weights, job_events, run_planaria, wait_for, write_job
@@ -28,7 +29,15 @@ STEPS = ["--steps", "24", "--ckpt-every", "4", "--out", "final.pt"]
 
 
 def job(where: Path, scheduler: dict[str, Any] | None = None, **job: object) -> Path:
-    return write_job(where, "ray-e2e", [sys.executable, str(EXAMPLE), *STEPS], scheduler, **job)
+    """The job; on Ray, its master bound to every interface, with no ``master.advertise``:
+    the nodes are hosts of their own (:mod:`planaria_ray.testing`), which reach the master at
+    the address it finds towards them."""
+    path = write_job(where, "ray-e2e", [sys.executable, str(EXAMPLE), *STEPS], scheduler, **job)
+    if scheduler is not None:
+        config = yaml.safe_load(path.read_text())
+        config["master"]["host"] = "0.0.0.0"
+        path.write_text(yaml.safe_dump(config))
+    return path
 
 
 def on_ray(address: str, **options: object) -> dict[str, Any]:
