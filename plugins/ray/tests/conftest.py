@@ -32,3 +32,17 @@ def ray_cluster() -> Iterator[LocalCluster]:
 @pytest.fixture
 def ray_address(ray_cluster: LocalCluster) -> str:
     return ray_cluster.address
+
+
+@pytest.fixture(scope="session")
+def clean_weights(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The job of the end-to-end tests without a fault, on the local scheduler (2 nodes of 1
+    worker): what every run of it with a fault must end with, bitwise. Once a session."""
+    from test_jobs import job
+
+    from planaria.testing.jobs import final_weights, run_planaria
+
+    where = tmp_path_factory.mktemp("clean")
+    done = run_planaria(where, "run", str(job(where)))
+    assert done.returncode == 0, done.stdout + done.stderr
+    return final_weights(where)

@@ -65,15 +65,6 @@ def finished(run: subprocess.Popen) -> str:
     return "\n".join(line for line in output.splitlines() if "[state-dump]" not in line)
 
 
-@pytest.fixture(scope="module")
-def clean_weights(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The same job without a fault, on the local scheduler (2 nodes of 1 worker)."""
-    where = tmp_path_factory.mktemp("clean")
-    done = run_planaria(where, "run", str(job(where)))
-    assert done.returncode == 0, done.stdout + done.stderr
-    return final_weights(where)
-
-
 def test_a_ray_node_whose_raylet_is_killed_is_replaced_on_the_free_node(
     tmp_path: Path, ray_cluster: LocalCluster, clean_weights: dict
 ) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,23 +18,14 @@ import pytest
 from test_jobs import finished, job, on_ray, paused_run
 
 from planaria.master.journal import Journal
-from planaria.testing.jobs import final_weights, job_events, run_planaria, wait_for
-from planaria_ray.testing import LocalCluster
+from planaria.testing.jobs import final_weights, job_events, wait_for
+from planaria_ray.testing import LocalCluster, sweep_driver_nodes
 
 torch = pytest.importorskip("torch")
 ray = pytest.importorskip("ray")
 x509 = pytest.importorskip("cryptography.x509")
 
 REGISTERED = re.compile(r"node registered\b.*?\baddr=(\S+).*?\bnode=(node-\d+)")
-
-
-@pytest.fixture(scope="module")
-def clean_weights(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The same job without a fault, on the local scheduler (2 nodes of 1 worker)."""
-    where = tmp_path_factory.mktemp("clean")
-    done = run_planaria(where, "run", str(job(where)))
-    assert done.returncode == 0, done.stdout + done.stderr
-    return final_weights(where)
 
 
 def test_a_job_over_hosts_of_their_own_survives_a_lost_host_bitwise(
@@ -104,3 +97,31 @@ def test_every_ray_node_is_a_host_of_its_own(ray_cluster: LocalCluster) -> None:
     network = ipaddress.ip_network(f"{ray_cluster.host_address}/24", strict=False)
     assert all(ipaddress.ip_address(a) in network for a in addresses), addresses
     assert ray_cluster.host_address in addresses and ray_cluster.head_address in addresses
+
+
+def test_driver_nodes_whose_network_is_gone_are_swept(ray_cluster: LocalCluster) -> None:
+    """A driver node left by a run killed before its teardown (its address on no interface
+    any more) is killed by the next cluster; a live cluster's driver node is not."""
+    sleep = "import time; time.sleep(60)"
+    orphan = subprocess.Popen(
+        [sys.executable, "-c", sleep, "--node-ip-address=10.214.255.254"]
+    )  # fmt: skip
+    live = subprocess.Popen(
+        [sys.executable, "-c", sleep, f"--node_ip_address={ray_cluster.host_address}"]
+    )  # fmt: skip
+    try:
+        if (
+            "10.214.255.254"
+            in subprocess.run(
+                ["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True, check=True
+            ).stdout
+        ):
+            pytest.skip("10.214.255.254 is this machine's own address")
+        killed = sweep_driver_nodes()
+        assert orphan.pid in killed and live.pid not in killed, killed
+        assert orphan.wait(timeout=10) == -9
+        assert live.poll() is None
+    finally:
+        for proc in (orphan, live):
+            proc.kill()
+            proc.wait()

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -125,7 +126,8 @@ class LocalCluster:
         """Namespaces that hold no node: spares first, then those of nodes lost."""
         self.network = netns.Network([HEAD, *names], host=True)
         self.driver_group: int | None = None
-        self.network.create()
+        self.network.create()  # which removes the networks of runs killed before their end
+        sweep_driver_nodes()
         try:
             self.host_address = self.network.host_address
             self.head_address = self.network.address(HEAD)
@@ -301,6 +303,30 @@ class LocalCluster:
 
 
 SHM = Path("/dev/shm")
+_DRIVER_NODE = re.compile(
+    rf"--node[-_]ip[-_]address=({re.escape(netns.SUBNET)}\.\d+\.{netns.HOST_NUMBER})$".encode()
+)
+
+
+def sweep_driver_nodes() -> list[int]:
+    """SIGKILL the processes of driver nodes whose network is gone (a test run killed before
+    its teardown): they run in this machine's namespace, out of the network's sweep, at a
+    host address of a network no interface here holds any more. The pids killed."""
+    local = set(re.findall(r"inet (\S+)/", subprocess.run(
+        ["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True, check=False
+    ).stdout))  # fmt: skip
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            for arg in (entry / "cmdline").read_bytes().split(b"\0"):
+                found = _DRIVER_NODE.match(arg)
+                if found and found.group(1).decode() not in local:
+                    os.kill(int(entry.name), signal.SIGKILL)
+                    killed.append(int(entry.name))
+                    break
+    return killed
 
 
 def _shared_memory(pids: list[int]) -> set[Path]:
