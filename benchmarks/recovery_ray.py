@@ -2,10 +2,11 @@
 the local scheduler in the same run.
 
 The cluster is the one of the Ray plugin's tests (:class:`planaria_ray.testing.LocalCluster`:
-a head and three worker raylets on this machine, all on loopback), started here and shut down
-at the end. The job (examples/train_gpt.py, 2 nodes x ``--procs-per-node`` over gloo) runs
-under ``scheduler.backend: ray`` on 2 of the 3 worker raylets, the third is the spare, and
-under the local scheduler (2 nodes on this machine) as the baseline.
+a head and three worker raylets on this machine, each in a network namespace of its own, a
+host of its own), started here and shut down at the end (root only). The job
+(examples/train_gpt.py, 2 nodes x ``--procs-per-node`` over gloo) runs under
+``scheduler.backend: ray`` on 2 of the 3 worker raylets, the third is the spare, and under the
+local scheduler (2 nodes on this machine) as the baseline.
 
 - worker kill: ``PLANARIA_CHAOS`` kills rank 1 at ``--kill-at``, under both.
 - node loss: once rank 0 logged step ``--kill-at``, the raylet of node-1's Ray node is
@@ -73,6 +74,9 @@ def run(
     if cluster is not None:
         options = {"address": cluster.address, "resources": AGENT, "stop_grace": "1s"}
         config["scheduler"] = {"backend": "ray", "options": options}
+        # The nodes are hosts of their own: the master listens beyond loopback.
+        config["master"] = {"heartbeat_interval": "1s", "heartbeat_timeout": "15s",
+                            "host": "0.0.0.0"}  # fmt: skip
     if not node_loss:
         config["chaos"] = json.loads(chaos(args))
     (work / "job.yaml").write_text(json.dumps(config))
@@ -118,7 +122,7 @@ def kill_local_node(node_id: str) -> bool:
 def main(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, interrupted)  # so that the cluster is shut down
     with leftovers.Sweeper() as sweeper:  # checks at the end even if the benchmark fails
-        print("starting a Ray cluster of 4 nodes on loopback", flush=True)
+        print("starting a Ray cluster of 4 nodes, each a host of its own", flush=True)
         cluster = LocalCluster(workers=3)
         try:
             trials = compare(args, cluster, sweeper)

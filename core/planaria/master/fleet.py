@@ -227,7 +227,13 @@ class Fleet:
         node.pid = request.pid
         node.phase = NodePhase.REGISTERED
         node.last_seen = time.monotonic()
-        log.info("node registered", node=request.node_id, host=request.host, pid=request.pid)
+        log.info(
+            "node registered",
+            node=request.node_id,
+            host=request.host,
+            addr=request.addr,
+            pid=request.pid,
+        )
         return node
 
     def _admit(self, request: RegisterRequest) -> Node:

@@ -1,7 +1,8 @@
 """A real Ray cluster for the whole session (:class:`planaria_ray.testing.LocalCluster`: a
-head and three worker raylets on this machine, all on loopback), and a check after every test
-that it left nothing behind (the cluster's own processes carry no marker; the actors the tests
-start do)."""
+head and three worker raylets, each in a network namespace of its own, a host of its own; this
+machine joins their bridge as the driver's node), and a check after every test that it left
+nothing behind (the cluster's own processes carry no marker; the actors the tests start do).
+The cluster needs root (network namespaces): without, the tests that use it skip, saying why."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 pytest.importorskip("ray")
-from planaria_ray.testing import LocalCluster
+from planaria_ray.testing import LocalCluster, unavailable
 
 pytest_plugins = ["planaria.testing.leaks"]
 """After every test: nothing it started still runs, nothing it created is left in /dev/shm."""
@@ -18,6 +19,9 @@ pytest_plugins = ["planaria.testing.leaks"]
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[LocalCluster]:
+    why = unavailable()
+    if why is not None:
+        pytest.skip(f"the Ray test cluster cannot run here: {why}")
     cluster = LocalCluster(workers=3)
     try:
         yield cluster
@@ -28,3 +32,17 @@ def ray_cluster() -> Iterator[LocalCluster]:
 @pytest.fixture
 def ray_address(ray_cluster: LocalCluster) -> str:
     return ray_cluster.address
+
+
+@pytest.fixture(scope="session")
+def clean_weights(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The job of the end-to-end tests without a fault, on the local scheduler (2 nodes of 1
+    worker): what every run of it with a fault must end with, bitwise. Once a session."""
+    from test_jobs import job
+
+    from planaria.testing.jobs import final_weights, run_planaria
+
+    where = tmp_path_factory.mktemp("clean")
+    done = run_planaria(where, "run", str(job(where)))
+    assert done.returncode == 0, done.stdout + done.stderr
+    return final_weights(where)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from planaria.testing import jobs
 from planaria.testing.jobs import final_weights, job_events, run_planaria, wait_for, write_job
@@ -28,7 +29,15 @@ STEPS = ["--steps", "24", "--ckpt-every", "4", "--out", "final.pt"]
 
 
 def job(where: Path, scheduler: dict[str, Any] | None = None, **job: object) -> Path:
-    return write_job(where, "ray-e2e", [sys.executable, str(EXAMPLE), *STEPS], scheduler, **job)
+    """The job; on Ray, its master bound to every interface, with no ``master.advertise``:
+    the nodes are hosts of their own (:mod:`planaria_ray.testing`), which reach the master at
+    the address it finds towards them."""
+    path = write_job(where, "ray-e2e", [sys.executable, str(EXAMPLE), *STEPS], scheduler, **job)
+    if scheduler is not None:
+        config = yaml.safe_load(path.read_text())
+        config["master"]["host"] = "0.0.0.0"
+        path.write_text(yaml.safe_dump(config))
+    return path
 
 
 def on_ray(address: str, **options: object) -> dict[str, Any]:
@@ -54,15 +63,6 @@ def finished(run: subprocess.Popen) -> str:
     raylet that died (long lines that would push the job's own end out of a report)."""
     output, _ = run.communicate(timeout=240)
     return "\n".join(line for line in output.splitlines() if "[state-dump]" not in line)
-
-
-@pytest.fixture(scope="module")
-def clean_weights(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The same job without a fault, on the local scheduler (2 nodes of 1 worker)."""
-    where = tmp_path_factory.mktemp("clean")
-    done = run_planaria(where, "run", str(job(where)))
-    assert done.returncode == 0, done.stdout + done.stderr
-    return final_weights(where)
 
 
 def test_a_ray_node_whose_raylet_is_killed_is_replaced_on_the_free_node(

@@ -19,10 +19,19 @@ registers is reachable from other machines), where nobody of that cluster listen
 ``ray.init`` then retries for minutes. Ray leaves loopback alone when multi-node clusters are
 off (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read once at import); a loopback address is a
 one-machine cluster, so the driver turns that off before joining one.
+
+A driver attaches to a raylet of its own machine, and its core worker is called back at that
+raylet's address. Ray picks the raylet among those it finds running here (the head's, when
+there are several) unless told the driver's address. Where several Ray nodes share this
+machine's processes but not its network (nodes in network namespaces or containers of their
+own), the head's address is no address of the driver's: the driver names its own, the local
+address of its route to the GCS, when a raylet here was started at that address
+(:func:`driver_address`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import socket
@@ -31,6 +40,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from planaria.agent.address import route_source
 from planaria.errors import SchedulerError
 from planaria_ray.options import RayOptions
 
@@ -146,10 +156,44 @@ def join(options: RayOptions) -> None:
     _init(ray, address, options)
 
 
+def raylet_addresses(proc: Path = Path("/proc")) -> set[str]:
+    """The node addresses (``--node_ip_address``) of the raylets running on this machine."""
+    found = set()
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if not argv[0].endswith(b"/raylet") and argv[0] != b"raylet":
+                continue
+            for arg in argv[1:]:
+                if arg.startswith(b"--node_ip_address="):
+                    found.add(arg.split(b"=", 1)[1].decode(errors="replace"))
+    return found
+
+
+def driver_address(gcs_host: str) -> str | None:
+    """The driver's own node address for a cluster whose GCS is at ``gcs_host``: the local
+    address of the route there, when a raylet of this machine was started at it; else None
+    (Ray's own choice: the raylet it finds here)."""
+    try:
+        source = route_source(gcs_host)
+    except (OSError, UnicodeError):
+        return None
+    if is_loopback(source) or source not in raylet_addresses():
+        return None
+    return source
+
+
 def _init(ray: ModuleType, address: str, options: RayOptions) -> None:
     started = time.monotonic()
-    if not address.startswith("ray://") and is_loopback(gcs_endpoint(address)[0]):
-        keep_loopback(ray)
+    own = None
+    if not address.startswith("ray://"):
+        host = gcs_endpoint(address)[0]
+        if is_loopback(host):
+            keep_loopback(ray)
+        else:
+            own = driver_address(host)
     try:
         ray.init(
             address=address,
@@ -157,6 +201,7 @@ def _init(ray: ModuleType, address: str, options: RayOptions) -> None:
             log_to_driver=False,
             logging_level="WARNING",
             configure_logging=False,
+            **({"_node_ip_address": own} if own else {}),
         )
     except Exception as exc:
         raise SchedulerError(

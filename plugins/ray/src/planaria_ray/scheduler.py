@@ -28,6 +28,7 @@ elastic job or stops it with that reason.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
@@ -245,15 +246,26 @@ class RayScheduler(Scheduler[RayOptions]):
         return set(self._excluded)
 
     def node_addresses(self) -> list[str]:
-        """The head node's host, where the cluster is joined (its nodes share its network);
-        ``127.0.0.1`` for the local cluster a run without ``address`` starts; none when the
-        address says nothing yet (``auto`` with no cluster started here)."""
+        """Where the agents will run: once the cluster is joined (``planaria run`` joins it
+        to check it before the master starts), the addresses of its live nodes that can hold
+        an agent, then the head node's host; before, the head node's host alone (the config
+        names it; a cluster's nodes share its network). ``127.0.0.1`` for the local cluster a
+        run without ``address`` starts; none when the address says nothing yet (``auto``
+        with no cluster started here)."""
         if self.options.address is None:
             return ["127.0.0.1"]
-        try:
-            return [cluster.gcs_endpoint(self.options.address)[0]]
-        except SchedulerError:
-            return []
+        found: list[str] = []
+        with contextlib.suppress(Exception):  # not joined, or Ray cannot say: the head alone
+            if cluster.import_ray().is_initialized():
+                demand = self.options.demand()
+                found = [
+                    str(n["NodeManagerAddress"])
+                    for n in cluster.alive_nodes()
+                    if cluster.fits(n, demand) and n.get("NodeManagerAddress")
+                ]
+        with contextlib.suppress(SchedulerError):
+            found.append(cluster.gcs_endpoint(self.options.address)[0])
+        return list(dict.fromkeys(found))
 
     # -- the cluster ----------------------------------------------------------------------
 
