@@ -267,6 +267,15 @@ def signal_group(pgid: int, sig: int, *, leader: bool = False) -> None:
         pass
 
 
+def signal_name(number: int) -> str:
+    """``SIGKILL`` for 9; ``signal 64`` for a number this system has no name for. The one
+    decoder for every exit planaria describes (a worker's, a node's, a script's)."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 class ProcStat(NamedTuple):
     """What this package reads of a process's ``/proc/PID/stat``."""
 

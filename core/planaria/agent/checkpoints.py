@@ -323,7 +323,4 @@ class NodeCheckpoints:
 def _describe(code: int) -> str:
     if code >= 0:
         return f"exit code {code}"
-    try:
-        return f"killed by {signal.Signals(-code).name}"
-    except ValueError:
-        return f"killed by signal {-code}"
+    return f"killed by {process.signal_name(-code)}"

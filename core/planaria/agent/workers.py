@@ -120,10 +120,7 @@ class WorkerExit:
     def describe(self) -> str:
         if self.signal is None:
             return f"exit code {self.exitcode}"
-        try:
-            return f"killed by {signal.Signals(self.signal).name}"
-        except ValueError:
-            return f"killed by signal {self.signal}"
+        return f"killed by {process.signal_name(self.signal)}"
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from planaria.fault_pattern.api import (
 )
 from planaria.fault_pattern.builtin import BUILTIN_PATTERNS
 from planaria.moved import forward
+from planaria.process import signal_name
 
 _TRACEBACK = re.compile(r"^Traceback \(most recent call last\):", re.MULTILINE)
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*)(?:Error|Exception|Fault|Interrupt|Exit)\b.*$")
@@ -64,7 +65,7 @@ class Classifier:
                 "exit",
             )
         if signal is not None:
-            return Classification(FaultClass.TRANSIENT, f"killed by {_signame(signal)}", "exit")
+            return Classification(FaultClass.TRANSIENT, f"killed by {signal_name(signal)}", "exit")
         if _TRACEBACK.search(log_tail) is not None:
             last = exception_line(log_tail)
             reason = f"Python exception: {last}" if last else "Python exception"
@@ -86,13 +87,6 @@ def _last_exception(text: str) -> str:
         if _EXCEPTION_LINE.match(line.strip()) and not line.startswith(" "):
             found = line.strip()
     return found[:500]
-
-
-def _signame(number: int) -> str:
-    try:
-        return _signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
 
 
 _MOVED = {"planaria.fault_pattern.api": ("FaultKind", "match")}

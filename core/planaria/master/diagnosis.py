@@ -9,11 +9,10 @@ health check, a straggler when ``replace_stragglers``), or stop (a user error wh
 
 from __future__ import annotations
 
-import signal
 import time
 from collections.abc import Mapping
 
-from planaria import events
+from planaria import events, process
 from planaria.diagnosis.classify import exception_line
 from planaria.diagnosis.messages import HangReport, HealthReport
 from planaria.diagnosis.policy import DiagnosisPolicy
@@ -51,13 +50,8 @@ def last_words(failure: WorkerFailure) -> str:
 
 
 def signal_name(number: int | None) -> str | None:
-    """``SIGKILL`` for 9; ``signal 64`` for a number this system has no name for."""
-    if number is None:
-        return None
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
+    """``SIGKILL`` for 9 (:func:`planaria.process.signal_name`); None for no signal."""
+    return None if number is None else process.signal_name(number)
 
 
 def stopped_on_start(summary: Summary) -> bool:

@@ -230,11 +230,8 @@ def _exit_event(node_id: str, returncode: int, adopted: bool = False) -> NodeEve
         return NodeEvent(node_id=node_id, state=NodeState.SUCCEEDED)
     if returncode > 0:
         return NodeEvent(node_id=node_id, state=NodeState.FAILED, reason=f"exit code {returncode}")
-    try:
-        name = signal.Signals(-returncode).name
-    except ValueError:
-        name = f"signal {-returncode}"
-    return NodeEvent(node_id=node_id, state=NodeState.LOST, reason=f"killed by {name}")
+    reason = f"killed by {process.signal_name(-returncode)}"
+    return NodeEvent(node_id=node_id, state=NodeState.LOST, reason=reason)
 
 
 def open_node_log(log_dir: Path, node_id: str) -> int:

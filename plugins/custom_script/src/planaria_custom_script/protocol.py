@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 from pathlib import Path
 from typing import Any
 
 from planaria.errors import HealthCheckError
 from planaria.plugin import DeviceResult, Status
+from planaria.process import signal_name
 
 STATUSES: dict[str, Status] = {
     "ok": Status.OK,
@@ -148,11 +148,7 @@ def _stderr_excerpt(stderr: str) -> str:
 
 def _describe_exit(returncode: int) -> str:
     if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = "unknown signal"
-        return f"was killed by signal {-returncode} ({name})"
+        return f"was killed by signal {-returncode} ({signal_name(-returncode)})"
     return f"exited with code {returncode} (0 means healthy, 1 unhealthy, anything else an error)"
 
 

@@ -88,10 +88,7 @@ def _exit_event(node_id: str, returncode: int) -> NodeEvent:
     if returncode < 0 or returncode > 128:
         # srun exits 128+N when its task was killed by signal N; negative: srun itself was.
         number = -returncode if returncode < 0 else returncode - 128
-        try:
-            name = signal.Signals(number).name
-        except ValueError:
-            name = f"signal {number}"
+        name = process.signal_name(number)
         who = "srun" if returncode < 0 else "the agent"
         return NodeEvent(node_id=node_id, state=NodeState.LOST, reason=f"{who} killed by {name}")
     return NodeEvent(node_id=node_id, state=NodeState.FAILED, reason=f"exit code {returncode}")
