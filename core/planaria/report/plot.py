@@ -339,7 +339,16 @@ def _nodes(ax: Any, course: Course, each: bool) -> None:
         samples = [s for line in course.nodes.get(name, []) for s in line]
         ax.plot([s.time for s in samples], [row[name]] * len(samples), "|", color=colour, ms=9)
         if len(samples) <= 40:
+            numbered = float("-inf")  # where the row's last step number ends
             for s in samples:
+                # Rank 0's node is sampled at each loss too: samples a moment apart (and
+                # the same step twice) get one number, not two over each other.
+                lo, hi, leftwards = _extent(s.time, course, str(s.step), 6.5, 2)
+                if leftwards:  # it is drawn rightwards all the same
+                    lo, hi = hi, 2 * hi - lo
+                if lo < numbered:
+                    continue
+                numbered = hi
                 ax.annotate(
                     str(s.step),
                     xy=(s.time, row[name]),
