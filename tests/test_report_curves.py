@@ -86,6 +86,32 @@ def test_a_loss_that_is_not_finite_is_left_out_with_one_warning(board):
     assert (slot.step, slot.loss, slot.loss_step) == (2, 3.0, 0)
 
 
+def test_a_checkpoint_save_reports_its_loss_and_refuses_a_wrong_one_before_saving(
+    board, tmp_path, monkeypatch
+):
+    torch = pytest.importorskip("torch")
+    from planaria.checkpoint import Checkpointer
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    state = {"w": torch.arange(4.0)}
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    try:
+        ckpt.save(0, state, persist=False, loss=1.25)
+        ckpt.save(1, state, persist=False, blocking=False)
+        ckpt.wait_copy()
+        slot = board.read(0)
+        assert (slot.step, slot.loss, slot.loss_step) == (1, 1.25, 0)
+        with pytest.raises(TypeError, match=r"monitor.step\(2, loss=...\).*not Tensor"):
+            ckpt.save(2, state, persist=False, loss=torch.tensor(0.5))
+        assert board.read(0).step == 1  # refused at the call: nothing saved, nothing reported
+        ckpt.save(2, state, persist=False, blocking=False, loss=0.5)
+        ckpt.wait_copy()
+        assert (board.read(0).loss, board.read(0).loss_step) == (0.5, 2)
+    finally:
+        ckpt.close()
+
+
 def _event(at: float, payload: events.Payload, **fields: object) -> JobEvent:
     event = JobEvent.of(payload, job="curves", message=str(payload.KIND.value), **fields)
     return event.model_copy(update={"time": T0 + at})
