@@ -129,8 +129,8 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
 
 def _losses(course: Course) -> str:
     """Rank 0's loss at the first and last points of the series and at its lowest: the
-    figures beside the curve (they are the values the worker reported, not rounded by a
-    chart)."""
+    figures beside the curve, as the worker reported them (to six significant digits), where
+    a chart only shows where they lie."""
     points = [p for line in course.losses for p in line]
     lowest = min(points, key=lambda p: p.loss)
     rows = [
@@ -138,8 +138,8 @@ def _losses(course: Course) -> str:
         for what, p in (("first", points[0]), ("lowest", lowest), ("last", points[-1]))
     ]
     note = (
-        f'<p class="muted">Rank 0\'s loss as its heartbeats brought it: {len(points)} points '
-        "shown, at most one a heartbeat.</p>"
+        f'<p class="muted">Rank 0\'s loss as its heartbeats brought it: {len(points)} points, '
+        "one a heartbeat at most (a long run's spread over it).</p>"
     )
     return note + "\n" + _table(("", "step", "loss", "at"), rows)
 
