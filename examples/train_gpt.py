@@ -334,23 +334,26 @@ def train(
         loss.backward()
         optim.step()
 
+        logged = None  # the loss printed, which planaria's report draws too
         if args.log_every > 0 and step % args.log_every == 0:
             mean = loss.detach().clone()
             if distributed:  # the mean over ranks; it never touches the weights
                 dist.all_reduce(mean)
                 mean /= world
             if rank == 0:
-                print(f"step {step} loss {mean.item():.4f} time {time.time():.6f}", flush=True)
-        # Every step into shared memory (it also reports the step to planaria's agent);
-        # every --ckpt-every steps to storage too, in the background.
+                logged = mean.item()
+                print(f"step {step} loss {logged:.4f} time {time.time():.6f}", flush=True)
+        # Every step into shared memory (it also reports the step, and the loss when one was
+        # logged, to planaria's agent); every --ckpt-every steps to storage too, in the
+        # background.
         persist = args.ckpt_every > 0 and (step + 1) % args.ckpt_every == 0
         if ckpt is not None:
             state = {"model": model.state_dict(), "optim": optim.state_dict()}
             if step == args.kill_in_save:
                 kill_in_save(args, rank)  # armed last: it fires inside the save's copy
-            ckpt.save(step, state, persist)
+            ckpt.save(step, state, persist, loss=logged)
         else:
-            monitor.step(step)
+            monitor.step(step, loss=logged)
 
     if ckpt is not None:
         ckpt.wait()  # the last persisted step is committed before the job reports success

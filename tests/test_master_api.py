@@ -346,3 +346,58 @@ def test_steps_done_counts_from_the_first_step_the_workers_reported(tmp_path, fi
         assert master.summary().steps == 80
 
     asyncio.run(with_master(tmp_path, body))
+
+
+def test_rank_0s_loss_is_sampled_at_each_heartbeat_that_brings_a_new_one(tmp_path):
+    """The job's loss series is rank 0's: a heartbeat of the node holding rank 0 with a new
+    loss is a progress event with it, whatever the interval between step samples; the same
+    loss again, or another node's, is none. ``/metrics`` serves the last one."""
+    from planaria.master.metrics import StateNow
+
+    async def body(master, session, url):
+        for i in range(2):
+            reg = {"node_id": f"node-{i}", "host": f"h{i}", "addr": "127.0.0.1", "pid": 1}
+            async with session.post(url + "/register", json=reg, headers=AUTH) as r:
+                assert r.status == 200
+
+        async def join(i: int) -> dict:
+            req = {"node_id": f"node-{i}", "addr": "127.0.0.1", "port": 40000 + i}
+            async with session.post(url + "/rendezvous/join", json=req, headers=AUTH) as r:
+                return await r.json()
+
+        replies = await asyncio.gather(join(0), join(1))
+        rank = {f"node-{i}": r["info"]["rank_offset"] for i, r in enumerate(replies)}
+        leader, other = sorted(rank, key=rank.__getitem__)
+        assert not [m for m in StateNow(master).collect() if m.name == "planaria_loss"]
+
+        async def beat(node: str, step: int, loss: float | None, loss_step: int) -> None:
+            progress = [
+                {"local_rank": 0, "step": step, "time": time.time(), "first_step": 0,
+                 "loss": loss, "loss_step": loss_step},
+                {"local_rank": 1, "step": step, "time": time.time(), "first_step": 0,
+                 "loss": 99.0, "loss_step": step},  # not rank 0's
+            ]  # fmt: skip
+            body = {"node_id": node, "round": 1, "activity": "running", "wait": False,
+                    "progress": progress}  # fmt: skip
+            async with session.post(url + "/heartbeat", json=body, headers=AUTH) as r:
+                assert r.status == 200, await r.text()
+
+        await beat(leader, 3, 2.5, 2)
+        await beat(other, 3, 7.0, 3)
+        await beat(leader, 4, 2.5, 2)  # the same loss: no news
+        await beat(leader, 6, 2.25, 6)
+        await beat(leader, 7, None, -1)
+        samples = [
+            (e.node, e.step, e.data.get("loss"), e.data.get("loss_step"))
+            for e in master.timeline.events
+            if e.kind.value == "progress"
+        ]
+        assert samples == [
+            (leader, 3, 2.5, 2),
+            (other, 3, None, None),  # its first step of the round
+            (leader, 6, 2.25, 6),
+        ]
+        (gauge,) = [m for m in StateNow(master).collect() if m.name == "planaria_loss"]
+        assert [s.value for s in gauge.samples] == [2.25]
+
+    asyncio.run(with_master(tmp_path, body))

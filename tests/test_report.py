@@ -117,6 +117,36 @@ def test_every_run_writes_a_report_telling_both_faults_and_their_recoveries(faul
 
 
 @pytest.mark.slow  # the job they share takes ~30 s
+def test_the_report_draws_the_losses_the_script_printed_a_line_a_round(faulty_run):
+    """The example reports each loss it prints (``monitor.step(step, loss=...)`` through
+    ``Checkpointer.save``): the report's loss series is those very values, at their steps, one
+    line a round, and the page lists them. A step done again after a restore prints the same
+    loss (the training is deterministic)."""
+    run_dir, output = faulty_run
+    printed: dict[int, set[str]] = {}
+    for step, loss in re.findall(r"^\[rank0\]:\s*step (\d+) loss ([\d.]+) ", output, re.M):
+        printed.setdefault(int(step), set()).add(loss)
+    assert len(printed) >= 20 and all(len(v) == 1 for v in printed.values()), printed
+    told = course(rundir.events(run_dir), rundir.summary(run_dir))
+    points = [p for line in told.losses for p in line]
+    # At least the first step of each round is sampled: its heartbeat goes at once.
+    assert len(told.losses) >= 3 and len(points) >= 3, told.losses
+    for point in points:
+        assert {f"{point.loss:.4f}"} == printed[point.step], (point, printed[point.step])
+    starts = [r.start for r in told.rounds if r.number > 1]
+    assert len(starts) >= 2
+    for line in told.losses:  # no line crosses a round's start
+        assert not any(line[0].time < start <= line[-1].time for start in starts), line
+    fig = plot.figure(told)
+    (chart,) = [ax for ax in fig.axes if ax.get_ylabel() == "loss"]
+    dashed = [line.get_xdata()[0] for line in chart.get_lines() if line.get_linestyle() == "--"]
+    assert dashed == starts
+    html = (run_dir / "report.html").read_text()
+    assert "<h2>Training loss</h2>" in html
+    assert f"<td>{points[-1].step}</td><td>{points[-1].loss:.6g}</td>" in html
+
+
+@pytest.mark.slow  # the job they share takes ~30 s
 def test_the_page_needs_no_network(faulty_run):
     html = (faulty_run[0] / "report.html").read_text()
     assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", html, re.I)

@@ -403,10 +403,17 @@ class PersisterRestarted(Payload):
 class Progress(Payload):
     """A node's step (event ``step``), sampled from its heartbeats: at its first step in a
     round, at its end, and every 5 s between (less often beyond 64 nodes). What ``planaria
-    report`` plots the job's course by."""
+    report`` plots the job's course by.
+
+    The node of rank 0 is also sampled at each heartbeat that brings a new training loss of
+    rank 0 (``planaria.monitor.step(n, loss=...)``): ``loss`` and the step it was reported
+    with, ``loss_step``. One series for the job, bounded by the heartbeat interval whatever
+    the number of nodes and steps."""
 
     KIND = EventKind.PROGRESS
     round: int
+    loss: float | None = None
+    loss_step: int | None = None
 
 
 PAYLOADS: dict[EventKind, type[Payload]] = {m.KIND: m for m in Payload.__subclasses__()}

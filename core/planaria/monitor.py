@@ -14,12 +14,25 @@ CPU time this process spent since the previous call. In data-parallel training e
 for the slowest in each collective, so wall-clock step times are the same on every rank; the
 time a rank spent working is not. Where the work is not on the CPU (GPU kernels), measure it
 (e.g. with CUDA events around forward and backward) and pass it as ``busy``.
+
+A step may carry its training loss, ``monitor.step(step, loss=loss.item())``: the agent's
+heartbeat takes rank 0's last one to the master, which puts it in the job's timeline, so that
+``planaria report`` draws the loss curve and ``/metrics`` serves ``planaria_loss``. Report it
+from a number the script has anyway (the value it prints): ``loss.item()`` on a GPU waits for
+the device, so pass it on the steps the script logs, not on every step if it does not log
+every step. A loss that is not a real number (a tensor, a string) is a ``TypeError`` at the
+call. A loss that is NaN or infinite is left out of the series, with a ``RuntimeWarning`` the
+first time: a diverged step is the training's to handle (skip it, lower the learning rate), not
+a reason for the monitor to fail the run, and a curve cannot draw it.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import time
+import warnings
 
 from planaria.chaos import WorkerChaos
 from planaria.progress import ENV, ProgressSlot
@@ -29,6 +42,7 @@ _chaos: WorkerChaos | None = None
 _pid: int | None = None
 _last_cpu: float | None = None
 _burnt = 0.0
+_warned = False
 
 
 def _init() -> None:
@@ -40,18 +54,46 @@ def _init() -> None:
     _last_cpu, _burnt = None, 0.0
 
 
-def step(number: int, busy: float | None = None) -> None:
+def step(number: int, busy: float | None = None, loss: float | None = None) -> None:
     """Report that training step ``number`` has completed; ``busy``: the seconds this rank
-    worked on it, if the process's CPU time does not say (work on an accelerator)."""
+    worked on it, if the process's CPU time does not say (work on an accelerator); ``loss``:
+    its training loss, a Python number (see the module's documentation)."""
     global _last_cpu, _burnt
     if _pid != os.getpid():
         _init()
+    if loss is not None:
+        loss = loss_value(loss, number)
     cpu = time.process_time()
     if busy is None and _last_cpu is not None:
         busy = cpu - _last_cpu
     if _slot is not None:
-        _slot.write(number, time.time(), busy)
+        _slot.write(number, time.time(), busy, loss)
     _last_cpu = cpu
     if _chaos is not None and _chaos.rules:
         # A slow_worker rule burns CPU in proportion to the step's own work, not to its burn.
         _burnt = _chaos.check(number, None if busy is None else max(0.0, busy - _burnt))
+
+
+def loss_value(loss: object, number: int) -> float | None:
+    """``loss`` as :func:`step` takes it: a float, or None for a NaN or infinite one (warned of
+    once a process). Raises ``TypeError`` for anything but a real number, naming the step."""
+    global _warned
+    if type(loss) is not float:
+        if isinstance(loss, bool) or not isinstance(loss, numbers.Real):
+            hint = " (pass loss.item())" if hasattr(loss, "item") else ""
+            raise TypeError(
+                f"planaria.monitor.step({number}, loss=...): the loss must be a number, "
+                f"not {type(loss).__name__}{hint}"
+            )
+        loss = float(loss)
+    if math.isfinite(loss):
+        return loss
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            f"planaria.monitor.step({number}, loss={loss}): a loss that is not finite is left "
+            "out of the job's loss series (this one and any later one; told once)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return None

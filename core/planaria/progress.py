@@ -5,11 +5,19 @@ exclusively: :mod:`planaria.shm`) with one slot per local rank;
 each worker maps it and writes its slot on every step (no system call, no lock: one writer per
 slot). The agent reads the slots to show progress, to detect hangs and to time recovery.
 
-Slot layout (little endian, 40 bytes): step (int64), wall time of that step (float64),
+Slot layout (little endian, 56 bytes): step (int64), wall time of that step (float64),
 pid (int64), busy time of that step in nanoseconds (int64), the first step this process
-completed (int64). A step of -1 means "no step yet"; a busy time of -1, "not measured" (the first
-step of a process has no start to measure from). The first step is the worker's own record, so
-the steps a fault cost are counted from what the workers did, however late the agent looks.
+completed (int64), the last training loss the worker reported (float64) and the step it was
+reported with (int64). A step of -1 means "no step yet"; a busy time of -1, "not measured" (the
+first step of a process has no start to measure from); a loss step of -1, "no loss reported".
+The first step is the worker's own record, so the steps a fault cost are counted from what the
+workers did, however late the agent looks. The loss stays in the slot until the next one: a
+script that computes its loss every tenth step reports it then, and the agent's heartbeat
+carries the last one.
+
+One writer and no lock: the agent reads a slot twice and takes it when both reads agree, so
+that a loss is never paired with another step's number (a write is a 56-byte copy; a read that
+overlaps one is rare, and the next read is a few microseconds later).
 """
 
 from __future__ import annotations
@@ -22,7 +30,9 @@ from pathlib import Path
 
 from planaria.shm import create_file, open_file
 
-SLOT = struct.Struct("<qdqqq")
+SLOT = struct.Struct("<qdqqqdq")
+READS = 5
+"""Reads of a slot until two in a row agree (a worker writing it all along: the last one)."""
 ENV = "PLANARIA_PROGRESS_FILE"
 
 
@@ -35,6 +45,10 @@ class Progress:
     """The CPU time (or the busy time the worker gave) of that step, in seconds."""
     first: int = -1
     """The first step the process in this slot completed (-1: none yet)."""
+    loss: float | None = None
+    """The last training loss the worker reported (:func:`planaria.monitor.step`)."""
+    loss_step: int = -1
+    """The step reported with :attr:`loss` (-1: none)."""
 
 
 class ProgressBoard:
@@ -53,11 +67,26 @@ class ProgressBoard:
 
     def reset(self) -> None:
         for slot in range(self.slots):
-            SLOT.pack_into(self._map, slot * SLOT.size, -1, 0.0, 0, -1, -1)
+            SLOT.pack_into(self._map, slot * SLOT.size, -1, 0.0, 0, -1, -1, 0.0, -1)
 
     def read(self, slot: int) -> Progress:
-        step, when, pid, busy, first = SLOT.unpack_from(self._map, slot * SLOT.size)
-        return Progress(step, when, pid, busy / 1e9 if busy >= 0 else None, first)
+        start = slot * SLOT.size
+        raw = self._map[start : start + SLOT.size]
+        for _ in range(READS):
+            again = self._map[start : start + SLOT.size]
+            if again == raw:
+                break
+            raw = again
+        step, when, pid, busy, first, loss, loss_step = SLOT.unpack(raw)
+        return Progress(
+            step,
+            when,
+            pid,
+            busy / 1e9 if busy >= 0 else None,
+            first,
+            loss if loss_step >= 0 else None,
+            loss_step,
+        )
 
     def read_all(self) -> list[Progress]:
         return [self.read(slot) for slot in range(self.slots)]
@@ -79,9 +108,27 @@ class ProgressSlot:
         self._offset = slot * SLOT.size
         self._pid = os.getpid()
         self._first = -1
+        self._loss = 0.0
+        self._loss_step = -1
 
-    def write(self, step: int, when: float, busy: float | None = None) -> None:
+    def write(
+        self, step: int, when: float, busy: float | None = None, loss: float | None = None
+    ) -> None:
+        """Write ``step``; ``loss`` (a finite float), when given, is the loss of this step and
+        stays in the slot until the next one."""
         nanos = -1 if busy is None else max(0, int(busy * 1e9))
         if self._first < 0:
             self._first = step
-        SLOT.pack_into(self._map, self._offset, step, when, self._pid, nanos, self._first)
+        if loss is not None:
+            self._loss, self._loss_step = loss, step
+        SLOT.pack_into(
+            self._map,
+            self._offset,
+            step,
+            when,
+            self._pid,
+            nanos,
+            self._first,
+            self._loss,
+            self._loss_step,
+        )

@@ -199,6 +199,10 @@ class RankProgress(Message):
     """Median busy (CPU, or worker-given) seconds per step over the same window."""
     first_step: int = -1
     """The first step this rank's worker completed in this round (-1: none yet)."""
+    loss: float | None = None
+    """The last training loss the worker reported (``planaria.monitor.step(n, loss=...)``)."""
+    loss_step: int = -1
+    """The step reported with :attr:`loss` (-1: none)."""
 
 
 class Heartbeat(Message):

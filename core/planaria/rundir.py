@@ -10,6 +10,7 @@ and the line, and the rest is read.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
@@ -120,12 +121,15 @@ def parse_line(line: bytes) -> JobEvent:
 
 
 class StepSample(NamedTuple):
-    """A ``progress`` event's figures: a node's step at a time, in a round."""
+    """A ``progress`` event's figures: a node's step at a time, in a round; and rank 0's
+    training loss with the step it was reported with, when the event carries one."""
 
     time: float
     node: str
     step: int
     round: int
+    loss: float | None = None
+    loss_step: int | None = None
 
 
 PROGRESS = b'{"kind":"progress"'
@@ -140,18 +144,33 @@ def step_sample(line: bytes) -> StepSample | None:
         return None
     try:
         fields = json.loads(line)
-        when, node, step, round_ = fields["time"], fields["node"], fields["step"], fields["data"]
-        round_ = round_["round"]
-    except (ValueError, KeyError, TypeError):
+        when, node, step, data = fields["time"], fields["node"], fields["step"], fields["data"]
+        round_ = data["round"]
+        loss, loss_step = data.get("loss"), data.get("loss_step")
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
-    if (
+    if not (
         type(when) in (float, int)
         and type(node) is str
         and type(step) is int
         and type(round_) is int
         and type(fields["job"]) is str
     ):
+        return None
+    if loss is None and loss_step is None:
         return StepSample(float(when), node, step, round_)
+    value = finite(loss)
+    if value is not None and type(loss_step) is int:
+        return StepSample(float(when), node, step, round_, value, loss_step)
+    return None
+
+
+def finite(value: object) -> float | None:
+    """``value`` as a float when it is a finite number read from JSON (not a bool), else
+    None: a loss from a timeline someone else may have written."""
+    if type(value) is float or type(value) is int:
+        number = float(value)
+        return number if math.isfinite(number) else None
     return None
 
 
@@ -161,7 +180,12 @@ def _sample_or_event(line: bytes) -> JobEvent | StepSample:
         return sample
     event = parse_line(line)
     if event.kind is EventKind.PROGRESS and event.node is not None and event.step is not None:
-        return StepSample(event.time, event.node, event.step, int(event.data.get("round", 0)))
+        data = event.data
+        loss, loss_step = finite(data.get("loss")), data.get("loss_step")
+        if loss is None or type(loss_step) is not int:
+            loss = loss_step = None
+        round_ = int(data.get("round", 0))
+        return StepSample(event.time, event.node, event.step, round_, loss, loss_step)
     return event
 
 

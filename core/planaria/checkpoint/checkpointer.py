@@ -64,6 +64,7 @@ class _Copy:
     rank: int
     world: int
     persist: bool | None
+    loss: float | None = None
 
 
 def storage_spec(target: str | os.PathLike[str] | dict[str, Any]) -> dict[str, Any]:
@@ -245,11 +246,17 @@ class Checkpointer:
         return self._segment
 
     def save(
-        self, step: int, state: Any, persist: bool | None = None, blocking: bool = True
+        self,
+        step: int,
+        state: Any,
+        persist: bool | None = None,
+        blocking: bool = True,
+        loss: float | None = None,
     ) -> None:
         """Copy ``state`` into shared memory (training blocks only for this copy), report the
-        step to the agent, and hand it to the persister when ``persist`` (default: every
-        ``persist_every`` steps).
+        step to the agent (with its training ``loss``, when given: see
+        :func:`planaria.monitor.step`), and hand it to the persister when ``persist``
+        (default: every ``persist_every`` steps).
 
         ``blocking=False``: enqueue the copies of device tensors on a side stream and return at
         once; the save completes (the step is published in memory, reported and handed to the
@@ -257,6 +264,8 @@ class Checkpointer:
         :meth:`wait`, :meth:`load` or :meth:`close` waits for. Nothing may change the state's
         tensors meanwhile: :meth:`guard` makes the optimizer (and the modules given) wait.
         Tensors in host memory are copied before it returns, as with ``blocking=True``."""
+        if loss is not None:  # a wrong one fails here, not in a later call that completes it
+            loss = monitor.loss_value(loss, step)
         self.wait_copy()
         layout = plan(state)
         signature = layout.signature()
@@ -274,7 +283,7 @@ class Checkpointer:
             # The persister holds every other slot and stopped answering: training goes on,
             # the newest step in memory stays; the persister is being replaced.
             log.warning("save skipped: the persister holds the memory", step=step, error=str(exc))
-            monitor.step(step)
+            monitor.step(step, loss=loss)
             return
         try:
             # The same layout as the last save (the usual case): reuse the slot's views.
@@ -315,6 +324,7 @@ class Checkpointer:
             self.rank,
             self.world,
             persist,
+            loss,
         )
         if blocking or all(done.query() for done in dones):
             self.wait_copy()
@@ -350,7 +360,7 @@ class Checkpointer:
             persist = self.persist_every > 0 and copy.step % self.persist_every == 0
         if persist:
             self._persist(copy.step)
-        monitor.step(copy.step)
+        monitor.step(copy.step, loss=copy.loss)
 
     def guard(self, optimizer: Any, *modules: Any) -> list[Any]:
         """Keep an overlapped save (``blocking=False``) consistent: ``optimizer.step()`` and

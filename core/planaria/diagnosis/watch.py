@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
@@ -41,6 +42,10 @@ class NodeWatch:
                     step_s=wall,
                     busy_s=busy,
                     first_step=slot.first,
+                    # The worker writes finite losses only; a NaN in the JSON would cost the
+                    # whole heartbeat.
+                    loss=slot.loss if slot.loss is not None and math.isfinite(slot.loss) else None,
+                    loss_step=slot.loss_step,
                 )
             )
         return out

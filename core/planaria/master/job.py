@@ -131,6 +131,9 @@ class Master:
         would have said so never came, as when the job is stopped). Unlike a node's step it
         never goes back: a new round starts the nodes' steps afresh. Steps done count to it."""
         self.finished_at: float | None = None
+        self.loss: tuple[int, int, float] | None = None
+        """Rank 0's last training loss: (its round, its step, the loss); None until a worker
+        reported one (``planaria.monitor.step(n, loss=...)``)."""
         self._round_settled = Wake()
         """Set when the forming round closes, is superseded or the job ends."""
         self.restore = "storage"
@@ -515,7 +518,7 @@ class Master:
             node.step = max(p.step for p in beat.progress)
             self.saw_step(node.step)
             self.diagnosis.progress(node, beat)
-            self._sample(node, beat.round)
+            self._sample(node, beat.round, loss=self._new_loss(beat))
         if beat.first_step_time is not None and beat.round == self.rounds.round:
             self._first_step(node, beat)
         if not beat.wait:  # a progress update: the node's long poll collects actions
@@ -559,17 +562,43 @@ class Master:
         the sample before it."""
         self._sample(node, self.rounds.round, last=True)
 
-    def _sample(self, node: Node, round_: int, *, last: bool = False) -> None:
-        """A ``progress`` event of ``node``'s step, if its last is old enough (or ``last``)."""
+    def _new_loss(self, beat: Heartbeat) -> tuple[int, int, float] | None:
+        """Rank 0's loss in ``beat``, when it is news: the job's loss series is rank 0's (the
+        one a training script prints), one point a heartbeat at most."""
+        info = self.rounds.world.get(beat.node_id)
+        if info is None or info.rank_offset != 0 or beat.round != self.rounds.round:
+            return None
+        for p in beat.progress:
+            if p.local_rank == 0 and p.loss is not None and p.loss_step >= 0:
+                loss = (beat.round, p.loss_step, p.loss)
+                if loss == self.loss:
+                    return None
+                self.loss = loss
+                return loss
+        return None
+
+    def _sample(
+        self,
+        node: Node,
+        round_: int,
+        *,
+        last: bool = False,
+        loss: tuple[int, int, float] | None = None,
+    ) -> None:
+        """A ``progress`` event of ``node``'s step, if its last is old enough (or ``last``, or
+        it brings rank 0's new ``loss``)."""
         now = time.monotonic()
-        every = self._progress_every()
-        if (now - node.sampled < every and not last) or self.state.terminal or node.step < 0:
+        due = now - node.sampled >= self._progress_every() or last or loss is not None
+        if not due or self.state.terminal or node.step < 0:
             return
         node.sampled = now
         message = f"{node.node_id} at step {node.step}"
-        self.timeline.emit(
-            events.Progress(round=round_), message, node=node.node_id, step=node.step
-        )
+        payload = events.Progress(round=round_)
+        if loss is not None:
+            _, loss_step, value = loss
+            message += f", loss {value:.6g} at step {loss_step}"
+            payload = events.Progress(round=round_, loss=value, loss_step=loss_step)
+        self.timeline.emit(payload, message, node=node.node_id, step=node.step)
 
     def _progress_every(self) -> float:
         return PROGRESS_EVERY * max(1.0, len(self.nodes) / PROGRESS_NODES)

@@ -299,6 +299,9 @@ class StateNow:
                 "(wall - startup - downtime) / wall, as the run's summary says",
                 summary.goodput,
             )
+        if m.loss is not None:  # only once a worker reported one: no made-up zero before
+            yield _gauge("planaria_loss", "Rank 0's last training loss, as its worker reported it",
+                         m.loss[2])  # fmt: skip
         committed = m.checkpoints.committed_step
         yield _gauge("planaria_checkpoint_last_committed_step",
                      "The newest step committed to storage (-1: none)", committed)  # fmt: skip

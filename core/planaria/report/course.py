@@ -18,13 +18,22 @@ from typing import Generic, TypeVar
 
 from planaria.events import EventKind, JobEvent
 from planaria.master.timeline import Summary
-from planaria.rundir import StepSample
+from planaria.rundir import StepSample, finite
 
 
 @dataclass
 class Sample:
     time: float
     step: int
+
+
+@dataclass
+class LossSample:
+    """Rank 0's training loss as a heartbeat brought it: at ``time``, the loss of ``step``."""
+
+    time: float
+    step: int
+    loss: float
 
 
 POINTS = 400
@@ -147,6 +156,9 @@ class Course:
     fault_kinds: dict[str, int] = field(default_factory=dict)
     """Every fault counted by its kind (and class): ``worker_failed (transient)``."""
     rounds_left_out: int = 0
+    losses: list[list[LossSample]] = field(default_factory=list)
+    """Rank 0's training loss over time, one line a round (a restart starts a new one); none
+    when the training never reported a loss."""
 
     def nodes_seen(self) -> list[str]:
         """Every node that trained in a round or reported a step, in order of appearance."""
@@ -168,6 +180,7 @@ def course(events: Iterable[JobEvent | StepSample], summary: Summary | None = No
     """The first event's time: what times count from until the job's start is known."""
     started: float | None = None
     samples: dict[str, Thinned[tuple[int, Sample]]] = {}
+    losses: Thinned[tuple[int, LossSample]] = Thinned()
     checkpoints: Thinned[Sample] = Thinned()
     incidents: deque[Incident] = deque(maxlen=INCIDENTS)
     rounds: deque[Round] = deque(maxlen=ROUNDS)
@@ -183,13 +196,18 @@ def course(events: Iterable[JobEvent | StepSample], summary: Summary | None = No
         result.end = t
         if isinstance(event, StepSample):
             samples.setdefault(event.node, Thinned()).add((event.round, Sample(t, event.step)))
+            if event.loss is not None and event.loss_step is not None:
+                losses.add((event.round, LossSample(t, event.loss_step, event.loss)))
             continue
         result.job = result.job or event.job
         kind = event.kind
         if kind is EventKind.PROGRESS:
             if event.node is not None and event.step is not None:
-                thinned = samples.setdefault(event.node, Thinned())
-                thinned.add((int(event.data.get("round", 0)), Sample(t, event.step)))
+                round_ = int(event.data.get("round", 0))
+                samples.setdefault(event.node, Thinned()).add((round_, Sample(t, event.step)))
+                loss, loss_step = finite(event.data.get("loss")), event.data.get("loss_step")
+                if loss is not None and type(loss_step) is int:
+                    losses.add((round_, LossSample(t, loss_step, loss)))
             continue
         if len(result.events) < FIRST_EVENTS:
             result.events.append(event)
@@ -236,6 +254,7 @@ def course(events: Iterable[JobEvent | StepSample], summary: Summary | None = No
     result.stragglers = list(stragglers)
     result.checkpoints = checkpoints.items()
     result.nodes = {node: _lines(thinned.items()) for node, thinned in samples.items()}
+    result.losses = _lines(losses.items())
     if result.rounds:
         result.rounds[-1].end = result.end if result.outcome is None else result.outcome.time
     if origin is not None:
@@ -247,9 +266,12 @@ def course(events: Iterable[JobEvent | StepSample], summary: Summary | None = No
     return result
 
 
-def _lines(samples: list[tuple[int, Sample]]) -> list[list[Sample]]:
-    """A node's samples, one line a round."""
-    lines: list[list[Sample]] = []
+S = TypeVar("S", Sample, LossSample)
+
+
+def _lines(samples: list[tuple[int, S]]) -> list[list[S]]:
+    """A node's samples (or the losses), one line a round."""
+    lines: list[list[S]] = []
     last: int | None = None
     for round_, sample in samples:
         if not lines or round_ != last:
@@ -268,6 +290,8 @@ def _shift(result: Course, by: float) -> None:
     samples = [s for lines in result.nodes.values() for line in lines for s in line]
     for sample in (*samples, *result.checkpoints):
         sample.time += by
+    for loss in (s for line in result.losses for s in line):
+        loss.time += by
     for mark in (*result.stragglers, *([result.outcome] if result.outcome else [])):
         mark.time += by
     for r in result.rounds:

@@ -78,6 +78,8 @@ def page(course: Course, summary: Summary | None, figure_svg: str | None, source
         stragglers = straggler_rows(summary)
         if stragglers:
             parts += ["<h2>Stragglers</h2>", _table(STRAGGLER_COLUMNS, stragglers)]
+    if course.losses:
+        parts += ["<h2>Training loss</h2>", _losses(course)]
     if course.incidents:
         parts.append("<h2>Each fault, from the timeline</h2>")
         if course.faults > len(course.incidents):
@@ -123,6 +125,23 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
         html.append("<tr>" + "".join(f"<td>{_text(c)}</td>" for c in row) + "</tr>")
     html.append("</table>")
     return "\n".join(html)
+
+
+def _losses(course: Course) -> str:
+    """Rank 0's loss at the first and last points of the series and at its lowest: the
+    figures beside the curve, as the worker reported them (to six significant digits), where
+    a chart only shows where they lie."""
+    points = [p for line in course.losses for p in line]
+    lowest = min(points, key=lambda p: p.loss)
+    rows = [
+        (what, str(p.step), f"{p.loss:.6g}", f"{p.time:.2f}s")
+        for what, p in (("first", points[0]), ("lowest", lowest), ("last", points[-1]))
+    ]
+    note = (
+        f'<p class="muted">Rank 0\'s loss as its heartbeats brought it: {len(points)} points, '
+        "one a heartbeat at most (a long run's spread over it).</p>"
+    )
+    return note + "\n" + _table(("", "step", "loss", "at"), rows)
 
 
 def _incidents(incidents: list[Incident]) -> str:

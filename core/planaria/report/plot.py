@@ -6,16 +6,25 @@ reader may not reach); matplotlib draws a static SVG of a few tens of kilobytes 
 as paths (no font to fetch), and the same figure as a PNG for a chat or a ticket. It is an
 optional dependency (``pip install 'planaria[report]'``): the core does not need it to train.
 
-Three panels on one time axis: the job's step (one line between two faults, so that a restore
+Panels on one time axis: the job's step (one line between two faults, so that a restore
 shows as the line starting again lower) and its steps per second, the checkpoints committed and
-each fault's span from its detection to its recovery; then each node as a bar over the rounds it
-trained in (its rank and its sampled steps on it, a cross where it was lost); then one lane a
-kind of moment (fault, detection, restart, restore, recovery, checkpoint, straggler), labelled.
+each fault's span from its detection to its recovery; then rank 0's training loss, when the
+training reported one (``planaria.monitor.step(n, loss=...)``); then each node as a bar over the
+rounds it trained in (its rank and its sampled steps on it, a cross where it was lost); then one
+lane a kind of moment (fault, detection, restart, restore, recovery, checkpoint, straggler),
+labelled. The start of each round after the first (a restart) is a dashed line across the step
+and loss charts: where a curve breaks, and why.
+
+The time axis counts seconds from the job's start; for a job over an hour it shows the time of
+day (HH:MM, the report's local time, as the page's start time), which is what one compares with
+the other dashboards and logs of a long run.
 """
 
 from __future__ import annotations
 
+import datetime
 import io
+import math
 import re
 import textwrap
 from pathlib import Path
@@ -35,6 +44,16 @@ RECOVERED = "#1e8449"
 CHECKPOINT = "#7f8c8d"
 STRAGGLER = "#b7950b"
 THROUGHPUT = "#5dade2"
+LOSS = "#d35400"
+LOSS_HEIGHT = 2.0
+"""The loss chart's height, in inches (the step chart's is about 3)."""
+HOUR = 3600.0
+"""From this long a job, the time axis shows the time of day."""
+CLOCK_STEPS = (60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400)
+"""Seconds between two ticks of the time of day: the first that gives at most
+:data:`CLOCK_TICKS` ticks (whole days beyond)."""
+CLOCK_TICKS = 10
+DAY = 86400.0
 RATE_WINDOW = 0.01
 """The least part of the job's time a steps-per-second figure spans (and a second)."""
 MANY_NODES = 12
@@ -64,15 +83,20 @@ def figure(course: Course) -> Figure:
     except ImportError as exc:
         raise MissingMatplotlib(str(exc)) from None
     shown = len(course.nodes_seen()) if len(course.nodes_seen()) <= MANY_NODES else 0
-    fig = Figure(figsize=(WIDTH, 7.5 + 0.35 * shown), layout="constrained")
-    steps, nodes, lanes = fig.subplots(
-        3, 1, sharex=True, height_ratios=(3, 0.6 + 0.35 * max(shown, 1), 2.2)
-    )
+    heights = [3, 0.6 + 0.35 * max(shown, 1), 2.2]
+    if course.losses:  # a chart of its own, as tall as it is in inches, below the steps
+        heights.insert(1, LOSS_HEIGHT)
+    tall = 7.5 + 0.35 * shown + (LOSS_HEIGHT if course.losses else 0)
+    fig = Figure(figsize=(WIDTH, tall), layout="constrained")
+    axes = list(fig.subplots(len(heights), 1, sharex=True, height_ratios=heights))
+    steps, nodes, lanes = axes[0], axes[-2], axes[-1]
     _steps(steps, course)
+    if course.losses:
+        _losses(axes[1], course)
     _nodes(nodes, course, shown > 0)
     _lanes(lanes, course)
     lanes.set_xlim(-0.02 * _span(course), _span(course) * 1.02)
-    lanes.set_xlabel("seconds since the job started")
+    _time_axis(lanes, course)
     if course.outcome is not None:
         # The end reason may be a paragraph (a crash loop's): below the chart, wrapped to the
         # figure's width. Drawn in a lane it ran off the picture, or squeezed the chart to
@@ -105,6 +129,7 @@ def _steps(ax: Any, course: Course) -> None:
             zorder=3,
             label="checkpoint committed",
         )
+    _round_starts(ax, course)
     for incident in course.incidents:
         end = incident.recovered if incident.recovered is not None else course.end
         ax.axvspan(incident.detected, end, color=FAULT, alpha=0.10, linewidth=0)
@@ -161,6 +186,73 @@ def _steps(ax: Any, course: Course) -> None:
     else:
         # Below the faults' headlines, which take the top half.
         ax.text(0.5, 0.25, "no step in the timeline", transform=ax.transAxes, ha="center")
+
+
+def _round_starts(ax: Any, course: Course) -> None:
+    """A dashed line where each round after the first started: the workers (re)started
+    there, from a restore, so a curve breaks at it."""
+    for k, r in enumerate(r for r in course.rounds if r.number > 1):
+        ax.axvline(
+            r.start,
+            color=RESTART,
+            linestyle="--",
+            linewidth=1,
+            alpha=0.7,
+            label="round start (restart)" if k == 0 else None,
+        )
+
+
+def _losses(ax: Any, course: Course) -> None:
+    """Rank 0's training loss, one line a round: what a TensorBoard or W&B user looks at
+    first, on the job's own time axis, so that a jump after a restart is seen beside it."""
+    values = [p.loss for line in course.losses for p in line]
+    few = len(values) <= 60
+    for k, line in enumerate(course.losses):
+        ax.plot(
+            [p.time for p in line],
+            [p.loss for p in line],
+            color=LOSS,
+            linewidth=1.4,
+            marker="." if few else None,
+            label="loss (rank 0)" if k == 0 else None,
+        )
+    _round_starts(ax, course)
+    low, high = min(values), max(values)
+    if low > 0 and high / low >= 100:  # from ln(vocab) to near zero: the tail is the story
+        ax.set_yscale("log")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    last = course.losses[-1][-1]
+    ax.legend(loc="upper right", fontsize=8, title=f"last: {last.loss:.4g} at step {last.step}",
+              title_fontsize=8)  # fmt: skip
+
+
+def _time_axis(ax: Any, course: Course) -> None:
+    """Seconds since the job started; the time of day (HH:MM, day too beyond a day) for a
+    job over :data:`HOUR`, with ticks at whole minutes of the clock."""
+    span = _span(course)
+    if span <= HOUR:
+        ax.set_xlabel("seconds since the job started")
+        return
+    from matplotlib.ticker import FixedLocator, FuncFormatter
+
+    start = datetime.datetime.fromtimestamp(course.start).astimezone()
+    offset = start.utcoffset() or datetime.timedelta(0)
+    every = next((s for s in CLOCK_STEPS if span / s <= CLOCK_TICKS), 0.0)
+    if not every:
+        every = DAY * math.ceil(span / DAY / CLOCK_TICKS)
+    # The first tick at a whole multiple of ``every`` on the local clock.
+    local = course.start + offset.total_seconds()
+    first = math.ceil(local / every) * every - local
+    ticks = [first + k * every for k in range(int((span * 1.02 - first) // every) + 1)]
+    shape, what = ("%H:%M", "time of day") if span < DAY else ("%m-%d %H:%M", "date and time")
+
+    def clock(x: float, _: object) -> str:
+        return datetime.datetime.fromtimestamp(course.start + x).strftime(shape)
+
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_major_formatter(FuncFormatter(clock))
+    ax.set_xlabel(f"{what} ({start.tzname()}); the job started {start:%Y-%m-%d %H:%M:%S}")
 
 
 def _throughput(ax: Any, course: Course) -> Any:
@@ -247,7 +339,16 @@ def _nodes(ax: Any, course: Course, each: bool) -> None:
         samples = [s for line in course.nodes.get(name, []) for s in line]
         ax.plot([s.time for s in samples], [row[name]] * len(samples), "|", color=colour, ms=9)
         if len(samples) <= 40:
+            numbered = float("-inf")  # where the row's last step number ends
             for s in samples:
+                # Rank 0's node is sampled at each loss too: samples a moment apart (and
+                # the same step twice) get one number, not two over each other.
+                lo, hi, leftwards = _extent(s.time, course, str(s.step), 6.5, 2)
+                if leftwards:  # it is drawn rightwards all the same
+                    lo, hi = hi, 2 * hi - lo
+                if lo < numbered:
+                    continue
+                numbered = hi
                 ax.annotate(
                     str(s.step),
                     xy=(s.time, row[name]),
