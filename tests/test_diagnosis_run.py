@@ -275,9 +275,15 @@ def test_a_straggler_is_reported_once_and_its_node_replaced(tmp_path, mark):
     result = run(tmp_path, mark, str(config), "--set", _train(steps=40))
     assert result.returncode == 0, result.stdout + result.stderr
     timeline = events(tmp_path)
-    (slow,) = [e for e in timeline if e["kind"] == "straggler_detected"]
+    stragglers = [e for e in timeline if e["kind"] == "straggler_detected"]
+    slow = stragglers[0]
     assert slow["rank"] == 3 and slow["data"]["metric"] == "busy"
-    (excluded,) = [e for e in timeline if e["kind"] == "node_excluded"]
+    # Reported once: a straggler is not reported again. (On a busy machine a replacement
+    # node, all of its processes new, can be slow in wall time too, and is a straggler of its
+    # own.)
+    reported = [(e["node"], e["rank"]) for e in stragglers]
+    assert len(set(reported)) == len(reported), reported
+    excluded = next(e for e in timeline if e["kind"] == "node_excluded")
     assert excluded["node"] == slow["node"]
     host = excluded["data"]["host"]
     assert slow["data"]["ratio"] > 2.0

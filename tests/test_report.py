@@ -119,8 +119,8 @@ def test_every_run_writes_a_report_telling_both_faults_and_their_recoveries(faul
 @pytest.mark.slow  # the job they share takes ~30 s
 def test_the_report_draws_the_losses_the_script_printed_a_line_a_round(faulty_run):
     """The example reports each loss it prints (``monitor.step(step, loss=...)`` through
-    ``Checkpointer.save``): the report's loss series is those very values, at their steps, one
-    line a round, and the page lists them. A step done again after a restore prints the same
+    ``Checkpointer.save``): the report's loss series is those very values, at their steps, a
+    line for each round it sampled, and the page lists them. A step done again after a restore prints the same
     loss (the training is deterministic)."""
     run_dir, output = faulty_run
     printed: dict[int, set[str]] = {}
@@ -129,8 +129,9 @@ def test_the_report_draws_the_losses_the_script_printed_a_line_a_round(faulty_ru
     assert len(printed) >= 20 and all(len(v) == 1 for v in printed.values()), printed
     told = course(rundir.events(run_dir), rundir.summary(run_dir))
     points = [p for line in told.losses for p in line]
-    # At least the first step of each round is sampled: its heartbeat goes at once.
-    assert len(told.losses) >= 3 and len(points) >= 3, told.losses
+    # One point a heartbeat at most, and this job's rounds last a few seconds: a round cut
+    # (or ended) within a heartbeat may have no point; three rounds give at least two lines.
+    assert len(told.losses) >= 2 and len(points) >= 2, told.losses
     for point in points:
         assert {f"{point.loss:.4f}"} == printed[point.step], (point, printed[point.step])
     starts = [r.start for r in told.rounds if r.number > 1]
