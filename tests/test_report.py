@@ -120,8 +120,8 @@ def test_every_run_writes_a_report_telling_both_faults_and_their_recoveries(faul
 def test_the_report_draws_the_losses_the_script_printed_a_line_a_round(faulty_run):
     """The example reports each loss it prints (``monitor.step(step, loss=...)`` through
     ``Checkpointer.save``): the report's loss series is those very values, at their steps, a
-    line for each round it sampled, and the page lists them. A step done again after a restore prints the same
-    loss (the training is deterministic)."""
+    line for each round it sampled, and the page lists them. A step done again after a restore
+    prints the same loss (the training is deterministic)."""
     run_dir, output = faulty_run
     printed: dict[int, set[str]] = {}
     for step, loss in re.findall(r"^\[rank0\]:\s*step (\d+) loss ([\d.]+) ", output, re.M):
