@@ -129,9 +129,9 @@ def test_the_report_draws_the_losses_the_script_printed_a_line_a_round(faulty_ru
     assert len(printed) >= 20 and all(len(v) == 1 for v in printed.values()), printed
     told = course(rundir.events(run_dir), rundir.summary(run_dir))
     points = [p for line in told.losses for p in line]
-    # One point a heartbeat at most, and this job's rounds last a few seconds: a round cut
-    # (or ended) within a heartbeat may have no point; three rounds give at least two lines.
-    assert len(told.losses) >= 2 and len(points) >= 2, told.losses
+    # One point a heartbeat at most, and this job's rounds last a few seconds each: a round
+    # cut (or ended) within a heartbeat may have no point at all, so only one is certain.
+    assert points, told.losses
     for point in points:
         assert {f"{point.loss:.4f}"} == printed[point.step], (point, printed[point.step])
     starts = [r.start for r in told.rounds if r.number > 1]
