@@ -22,6 +22,16 @@ import yaml
 T = TypeVar("T")
 
 
+def bind_every_interface(path: Path) -> Path:
+    """Have the job file's master listen on every interface (``master.host: 0.0.0.0``, no
+    ``master.advertise``): for nodes that are hosts of their own, which reach it at the address
+    the master finds towards them (:mod:`planaria.master.advertise`)."""
+    config = yaml.safe_load(path.read_text())
+    config.setdefault("master", {})["host"] = "0.0.0.0"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 def run_planaria(
     where: Path, *args: str, timeout: float = 600, env: Mapping[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:

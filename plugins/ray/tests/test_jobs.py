@@ -14,10 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from planaria.testing import jobs
-from planaria.testing.jobs import final_weights, job_events, run_planaria, wait_for, write_job
+from planaria.testing.jobs import (
+    bind_every_interface,
+    final_weights,
+    job_events,
+    run_planaria,
+    wait_for,
+    write_job,
+)
 from planaria_ray.testing import AGENT, LocalCluster
 
 torch = pytest.importorskip("torch")
@@ -33,11 +39,7 @@ def job(where: Path, scheduler: dict[str, Any] | None = None, **job: object) -> 
     the nodes are hosts of their own (:mod:`planaria_ray.testing`), which reach the master at
     the address it finds towards them."""
     path = write_job(where, "ray-e2e", [sys.executable, str(EXAMPLE), *STEPS], scheduler, **job)
-    if scheduler is not None:
-        config = yaml.safe_load(path.read_text())
-        config["master"]["host"] = "0.0.0.0"
-        path.write_text(yaml.safe_dump(config))
-    return path
+    return path if scheduler is None else bind_every_interface(path)
 
 
 def on_ray(address: str, **options: object) -> dict[str, Any]:

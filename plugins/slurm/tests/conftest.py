@@ -26,10 +26,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
 from planaria import leftovers
-from planaria.testing.jobs import final_weights, run_planaria, write_job
+from planaria.testing.jobs import bind_every_interface, final_weights, run_planaria, write_job
 from planaria.testing.netns import Network, unavailable
 
 pytest_plugins = ["planaria.testing.leaks"]
@@ -194,11 +193,7 @@ def job(where: Path, scheduler: dict[str, object] | None = None, **job: object) 
     scheduler (Slurm's), its master binds every interface: it runs on the batch host, a node
     of its own, and finds the address the other nodes reach it at (and serves TLS)."""
     path = write_job(where, "slurm-e2e", [sys.executable, str(EXAMPLE), *STEPS], scheduler, **job)
-    if scheduler is not None:
-        config = yaml.safe_load(path.read_text())
-        config["master"]["host"] = "0.0.0.0"
-        path.write_text(yaml.safe_dump(config))
-    return path
+    return path if scheduler is None else bind_every_interface(path)
 
 
 @pytest.fixture(scope="session")

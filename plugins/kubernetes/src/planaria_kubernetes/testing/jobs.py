@@ -6,8 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from planaria.testing.jobs import bind_every_interface
 from planaria_kubernetes import pods
 from planaria_kubernetes.testing.cluster import EmulatedCluster
 
@@ -35,11 +34,7 @@ def listen_for_nodes(config: Path, cluster: EmulatedCluster) -> Path:
     on every interface (``master.host: 0.0.0.0``, no ``master.advertise``: the master finds
     the address from the nodes' ``InternalIP``) when the nodes are hosts of their own, on
     loopback as it does by default when they are this machine."""
-    if cluster.network is not None:
-        loaded = yaml.safe_load(config.read_text())
-        loaded.setdefault("master", {})["host"] = "0.0.0.0"
-        config.write_text(yaml.safe_dump(loaded))
-    return config
+    return config if cluster.network is None else bind_every_interface(config)
 
 
 def job_objects(cluster: EmulatedCluster, plural: str, job_name: str) -> list[dict[str, Any]]:
