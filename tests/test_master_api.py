@@ -319,23 +319,28 @@ def test_the_first_long_poll_of_a_round_is_held_for_part_of_the_interval_in_a_bi
     asyncio.run(with_master(tmp_path, body))
 
 
+async def _two_nodes_joined(session, url) -> list[dict]:
+    """Register node-0 and node-1 and have both join the first round: their join replies."""
+    for i in range(2):
+        reg = {"node_id": f"node-{i}", "host": f"h{i}", "addr": "127.0.0.1", "pid": 1}
+        async with session.post(url + "/register", json=reg, headers=AUTH) as r:
+            assert r.status == 200
+
+    async def join(i: int) -> dict:
+        req = {"node_id": f"node-{i}", "addr": "127.0.0.1", "port": 40000 + i}
+        async with session.post(url + "/rendezvous/join", json=req, headers=AUTH) as r:
+            return await r.json()
+
+    return list(await asyncio.gather(join(0), join(1)))
+
+
 @pytest.mark.parametrize("first", [0, 1])
 def test_steps_done_counts_from_the_first_step_the_workers_reported(tmp_path, first):
     """A script that numbers its 80 steps 1..80 did 80 steps, as one that numbers them 0..79:
     the count starts at the first step its workers reported, not at 0."""
 
     async def body(master, session, url):
-        for i in range(2):
-            reg = {"node_id": f"node-{i}", "host": f"h{i}", "addr": "127.0.0.1", "pid": 1}
-            async with session.post(url + "/register", json=reg, headers=AUTH) as r:
-                assert r.status == 200
-
-        async def join(i: int) -> dict:
-            req = {"node_id": f"node-{i}", "addr": "127.0.0.1", "port": 40000 + i}
-            async with session.post(url + "/rendezvous/join", json=req, headers=AUTH) as r:
-                return await r.json()
-
-        replies = await asyncio.gather(join(0), join(1))
+        replies = await _two_nodes_joined(session, url)
         leader = next(f"node-{i}" for i, r in enumerate(replies) if r["info"]["node_rank"] == 0)
         for step in (first + 4, first + 79):  # the agent looks late: its first look is step 4
             progress = [{"local_rank": 0, "step": step, "time": time.time(), "first_step": first}]
@@ -355,17 +360,7 @@ def test_rank_0s_loss_is_sampled_at_each_heartbeat_that_brings_a_new_one(tmp_pat
     from planaria.master.metrics import StateNow
 
     async def body(master, session, url):
-        for i in range(2):
-            reg = {"node_id": f"node-{i}", "host": f"h{i}", "addr": "127.0.0.1", "pid": 1}
-            async with session.post(url + "/register", json=reg, headers=AUTH) as r:
-                assert r.status == 200
-
-        async def join(i: int) -> dict:
-            req = {"node_id": f"node-{i}", "addr": "127.0.0.1", "port": 40000 + i}
-            async with session.post(url + "/rendezvous/join", json=req, headers=AUTH) as r:
-                return await r.json()
-
-        replies = await asyncio.gather(join(0), join(1))
+        replies = await _two_nodes_joined(session, url)
         rank = {f"node-{i}": r["info"]["rank_offset"] for i, r in enumerate(replies)}
         leader, other = sorted(rank, key=rank.__getitem__)
         assert not [m for m in StateNow(master).collect() if m.name == "planaria_loss"]
