@@ -3,7 +3,7 @@
 
 What the scripts share lives in :mod:`benchmarks.harness`; a script imports that (and its own
 helper modules) through this package, never another benchmark, so that no module is loaded
-twice and the imports form no circle (tests/test_import_graph.py checks it). A script run by
+twice and the imports form no circle (tests/unit/test_import_graph.py checks it). A script run by
 its path puts the repository root on ``sys.path`` first, which is what makes the package
 importable without installing it.
 """

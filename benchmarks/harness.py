@@ -5,7 +5,7 @@ A benchmark imports from here (and from its own helper modules), never from anot
 the recovery benchmark's variants (Slurm, Ray, a GPU) and the checkpoint benchmark's device
 variant are started by their script but depend only on this module, so no benchmark is loaded
 twice (once as ``__main__``, once as a module) and the imports form no circle
-(tests/test_import_graph.py checks it).
+(tests/unit/test_import_graph.py checks it).
 
 Only the standard library is imported at the top: the fault suite refuses some rows before it
 may import planaria, and torch is imported by the functions that need it.

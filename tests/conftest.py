@@ -4,15 +4,34 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["planaria.testing.leaks"]
-"""After every test, nothing it started still runs and nothing it created is left in /dev/shm."""
+pytest_plugins = [
+    "planaria.testing.leaks",
+    "planaria.testing.jobs",
+    "support.scheduler",
+    "support.netns",
+]
+"""After every test, nothing it started still runs and nothing it created is left in /dev/shm
+(``leaks``); the ``mark`` fixture of the job harness (``jobs``); the local scheduler's
+``harness`` fixture (``support.scheduler``); network namespaces (``support.netns``)."""
 
 FIXTURES = Path(__file__).parent / "fixtures"
+END_TO_END = ("e2e", "benchmarks")
+"""The layers whose tests run whole jobs or benchmarks: marked ``e2e``, out of the fast loop."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        relative = item.path.relative_to(here) if item.path.is_relative_to(here) else None
+        if relative is not None and relative.parts[0] in END_TO_END:
+            item.add_marker(pytest.mark.e2e)
+
+
 PLUGIN_FIXTURES = FIXTURES / "plugins"
 
 
@@ -63,3 +82,21 @@ def cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess[str]]:
         )
 
     return run
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs: a real "No space left on device"."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

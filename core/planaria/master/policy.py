@@ -2,7 +2,7 @@
 
 No I/O and no clock: the master describes its situation (:class:`Situation`), hands over what
 happened (a :class:`NodeFault` or a :class:`ReplacementFailed`), and carries out the
-:class:`Decision`. Every branch is a row of ``tests/test_policy.py``. In order:
+:class:`Decision`. Every branch is a row of ``tests/unit/test_policy.py``. In order:
 
 - a job already stopping, or a node already out of it: nothing more to do;
 - workers that cannot start: stop (a restart would fail the same way);

@@ -1,7 +1,13 @@
-"""Helpers for a scheduler plugin's end-to-end tests: write a job file, run ``planaria`` as a
-user does (also with rank 0 paused mid-training, for a fault to land on), read the job's
-timeline and its final weights, wait for something to happen. The Slurm, Ray and Kubernetes
-plugins' job tests share them; a third-party scheduler's tests can too."""
+"""The job harness of planaria's end-to-end tests: write a job file, run ``planaria`` as a user
+does (also with rank 0 paused mid-training, for a fault to land on), read the job's timeline
+and its final weights, wait for something to happen, and make sure that no process of a job
+outlives its test. The core's tests, the Slurm, Ray and Kubernetes plugins' job tests and the
+benchmarks share it; a third-party scheduler's tests can too.
+
+Every job a test starts through :func:`run` or :func:`start` carries a mark in its environment
+(``PLANARIA_TEST_MARK``), which its agents, warm interpreters, workers and their children all
+inherit: the :func:`mark` fixture (load this module with ``pytest_plugins``) fails the test when
+a process carrying its mark is still alive after it."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -20,6 +27,112 @@ import pytest
 import yaml
 
 T = TypeVar("T")
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "train_gpt.py"
+"""``examples/train_gpt.py`` of the checkout these helpers run from: the training every
+end-to-end test runs (deterministic, so that a run with faults can be compared bit for bit
+with a clean one)."""
+MARK = "PLANARIA_TEST_MARK"
+"""The environment variable that marks every process of a test's job."""
+
+
+def marked_processes(mark: str) -> list[int]:
+    """The live (not zombie) processes whose environment carries ``MARK=mark``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        if f"{MARK}={mark}".encode() in environ.split(b"\0") and "State:\tZ" not in status:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture
+def mark() -> Iterator[str]:
+    """A fresh mark for the test's jobs; after the test, none of their processes may be alive
+    (5 s of grace for their exits to land)."""
+    value = uuid.uuid4().hex
+    yield value
+    deadline = time.monotonic() + 5
+    while (left := marked_processes(value)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == [], f"processes of the job survived it: {left}"
+
+
+def job(tmp_path: Path, **sections: object) -> Path:
+    """``tmp_path/job.yaml``: :data:`EXAMPLE` for 24 steps, a checkpoint every 4, on 2 local
+    nodes of 2 workers, 3 restarts, fast joins and heartbeats, no health checks. Each keyword
+    is a section of the file: a mapping is merged into the default one, anything else
+    replaces it."""
+    config: dict[str, Any] = {
+        "job": {
+            "name": "e2e",
+            "command": [sys.executable, str(EXAMPLE), "--steps", "24", "--ckpt-every", "4"],
+            "nodes": 2,
+            "procs_per_node": 2,
+            "max_restarts": 3,
+        },
+        "rendezvous": {"join_grace": "2s", "join_timeout": "60s"},
+        "master": {"heartbeat_interval": "1s", "heartbeat_timeout": "15s"},
+        "diagnosis": {"checks": []},
+    }
+    for name, value in sections.items():
+        if isinstance(value, dict) and isinstance(config.get(name), dict):
+            config[name] = {**config[name], **value}
+        else:
+            config[name] = value
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def planaria_command(mark: str, args: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment of ``planaria run ARGS`` marked with ``mark`` (wide output,
+    this interpreter's console script first on ``PATH``)."""
+    env = {
+        **os.environ,
+        MARK: mark,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "COLUMNS": "200",
+    }
+    return [str(Path(sys.executable).parent / "planaria"), "run", *args], env
+
+
+def run(
+    tmp_path: Path, mark: str, *args: str, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    """``planaria run ARGS`` in ``tmp_path`` to its end, its output captured."""
+    argv, env = planaria_command(mark, args)
+    return subprocess.run(
+        argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def start(tmp_path: Path, mark: str, *args: str) -> subprocess.Popen[str]:
+    """``planaria run`` in the background (stdout and stderr together), for faults from outside."""
+    argv, env = planaria_command(mark, args)
+    return subprocess.Popen(
+        argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def events(tmp_path: Path) -> list[dict[str, Any]]:
+    """The events of the one run under ``tmp_path`` (:func:`job_events` takes every run's)."""
+    (timeline,) = tmp_path.glob("planaria-runs/*/events.jsonl")
+    return [json.loads(line) for line in timeline.read_text().splitlines()]
+
+
+def weights(path: Path) -> dict[str, Any]:
+    """The tensors saved at ``path`` by ``torch.save`` (needs torch)."""
+    import torch
+
+    loaded: dict[str, Any] = torch.load(path, weights_only=True, map_location="cpu")
+    return loaded
 
 
 def bind_every_interface(path: Path) -> Path:
@@ -116,11 +229,8 @@ def job_events(where: Path) -> list[dict[str, Any]]:
 
 def final_weights(where: Path) -> dict[str, Any]:
     """The ``final.pt`` that ``examples/train_gpt.py`` saved in ``where`` (needs torch)."""
-    import torch
-
     (path,) = where.glob("final.pt")
-    loaded: dict[str, Any] = torch.load(path, weights_only=True, map_location="cpu")
-    return loaded
+    return weights(path)
 
 
 def wait_for(

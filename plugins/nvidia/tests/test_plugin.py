@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
-from test_real_nvml import DRIVER
+from real_nvml import DRIVER
 
 from planaria.health.api import HealthCheckRecord
 from planaria.plugin.manager import PluginManager

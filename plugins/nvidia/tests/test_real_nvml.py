@@ -4,23 +4,12 @@ from __future__ import annotations
 
 import pynvml
 import pytest
+from real_nvml import DRIVER
 
 from planaria.health.api import CheckContext, Status
 from planaria_nvidia import NvidiaCheck, NvidiaOptions
 from planaria_nvidia.nvml import Pynvml
 from planaria_nvidia.session import NvmlSession, default_session
-
-
-def _driver_present() -> bool:
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return False
-    pynvml.nvmlShutdown()
-    return True
-
-
-DRIVER = _driver_present()
 
 
 @pytest.mark.skipif(DRIVER, reason="this machine has an NVIDIA driver")

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_jobs import finished, job, on_ray, paused_run
+from ray_jobs import finished, job, on_ray, paused_run
 
 from planaria.testing.jobs import job_events, wait_for
 from planaria_ray.testing import LocalCluster

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_jobs import finished, job, on_ray, paused_run
+from ray_jobs import finished, job, on_ray, paused_run
 
 from planaria.master.journal import Journal
 from planaria.testing.jobs import final_weights, job_events, wait_for

@@ -9,57 +9,15 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from conftest import EXAMPLE, job, slurm
+from slurm_jobs import finish, job_state, steps, submit_and_pause
 
 from planaria.testing.jobs import final_weights, job_events, run_planaria, wait_for
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
-
-
-def job_state(job_id: str) -> str:
-    return slurm("squeue", "-h", "-j", job_id, "-o", "%T", check=False).stdout.strip()
-
-
-def steps(job_id: str) -> dict[str, tuple[str, str]]:
-    """Step name -> (step id, node) of the job's agent steps."""
-    out = slurm("squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j|%N", check=False).stdout
-    found = {}
-    for line in out.splitlines():
-        step, name, node = line.split("|")
-        if name.startswith("planaria.") and ".cleanup." not in name:
-            found[name] = (step, node)
-    return found
-
-
-def submit_and_pause(where: Path) -> tuple[str, dict[str, tuple[str, str]]]:
-    """Submit the job (3 nodes: 2 and a spare) with rank 0 stopping itself at step 10, so that
-    a fault from outside lands mid-training; returns the Slurm job id and its agent steps."""
-    scheduler = {"backend": "slurm", "options": {"spares": 1, "sbatch": ["--oversubscribe"]}}
-    config = job(where, scheduler)
-    chaos = ["--set", 'chaos=[{"kind": "stop_worker", "rank": 0, "at_step": 10}]']
-    submitted = run_planaria(where, "submit", str(config), *chaos)
-    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
-    job_id = submitted.stdout.split()[-1]
-    assert job_id.isdigit(), submitted.stdout
-    nodes = slurm("squeue", "-h", "-j", job_id, "-o", "%D").stdout.strip()
-    wait_for("the job's start", lambda: job_state(job_id) == "RUNNING")
-    assert slurm("squeue", "-h", "-j", job_id, "-o", "%D").stdout.strip() == "3", nodes
-
-    def paused() -> bool:
-        return any("stop_worker" in p.read_text() for p in where.glob("planaria-runs/*/logs/*.log"))
-
-    wait_for("rank 0 pausing at step 10", paused)
-    return job_id, steps(job_id)
-
-
-def finish(where: Path, job_id: str) -> str:
-    wait_for("the job's end", lambda: job_state(job_id) == "", timeout=240)
-    (output,) = where.glob(".planaria/slurm-*.out")
-    return output.read_text()
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import slurm
-from test_jobs import finish, submit_and_pause
+from slurm_jobs import finish, submit_and_pause
 
 from planaria.master.journal import Journal
 from planaria.process import proc_stat

@@ -1,0 +1,83 @@
+"""The benchmarks' package: every script starts by its path from anywhere and as a module of
+the package, and the shared harness reads a fault's trial and prints its ratio to a baseline."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ["recovery", "checkpoint", "faults", "control_plane", "events_scale", "goodput_sim"]
+"""The benchmarks this environment can start (the others need a plugin's environment)."""
+
+
+@pytest.fixture
+def harness(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    monkeypatch.syspath_prepend(str(ROOT))
+    return importlib.import_module("benchmarks.harness")
+
+
+def _help(command: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *command, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+    )
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_benchmark_starts_by_its_path_from_another_directory(name: str, tmp_path: Path) -> None:
+    proc = _help([str(ROOT / "benchmarks" / f"{name}.py")], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"usage: {name}.py"), proc.stdout
+
+
+def test_a_benchmark_starts_as_a_module_of_the_package() -> None:
+    proc = _help(["-m", "benchmarks.recovery"], ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--scheduler" in proc.stdout
+
+
+RANK0 = """\
+step 9 loss 5.0 time 100.0
+step 10 loss 5.0 time 101.0
+resumed from step 8 (memory)
+step 9 loss 5.0 time 104.0
+"""
+
+
+def test_a_fault_struck_from_outside_is_measured_from_when_it_struck(harness) -> None:  # type: ignore[no-untyped-def]
+    trial = harness.measure_fault(RANK0, 101.5, True, 30.0, "")
+    assert trial.ok and trial.mttr == pytest.approx(2.5) and trial.steps_lost == 2
+    never = harness.measure_fault(RANK0, None, False, 30.0, "")
+    assert not never.ok and never.note == "the fault never struck"
+
+
+def test_the_fault_table_shows_no_ratio_for_a_runner_that_never_recovered(
+    harness, capsys: pytest.CaptureFixture[str]
+) -> None:  # type: ignore[no-untyped-def]
+    def figures(mttr: float | None) -> dict[str, object]:
+        return {"mttr": mttr, "steps_lost": 0, "failed": 0 if mttr else 1}
+
+    result = harness.fault_table(
+        {
+            "kill: mine": figures(1.0),
+            "kill: base": figures(4.0),
+            "node: mine": figures(None),
+            "node: base": figures(8.0),
+        },
+        ("mine", "mine", "mine"),
+        ("base", "base", "base"),
+    )
+    assert result["worker_kill_ratio"] == pytest.approx(0.25)
+    assert result["node_loss_ratio"] is None and result["node_loss_mine_failed"] == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["worker", "kill", "1.00s", "4.00s", "0.25"]
+    assert lines[2].split() == ["node", "loss", "failed", "8.00s", "-"]
+    assert harness.ratio(2.0, 0.0) is None and harness.ratio(None, 1.0) is None

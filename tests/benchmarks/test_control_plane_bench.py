@@ -1,0 +1,53 @@
+"""benchmarks/control_plane.py runs end to end: simulated agents register with a real master,
+form a round, heart-beat, go through a restart round and a node replacement, and the figures
+come out. A small N: the targets themselves are the benchmark's to show, not a test's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "control_plane.py"
+
+
+@pytest.mark.slow
+def test_the_control_plane_benchmark_goes_through_every_phase(tmp_path):
+    bench = subprocess.Popen(
+        [sys.executable, str(BENCH), "--agents", "8", "20", "--beat-window", "3"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        stdout, stderr = bench.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        bench.terminate()  # SIGTERM: the benchmark stops its masters on the way out
+        stdout, stderr = bench.communicate(timeout=60)
+        pytest.fail(f"the benchmark did not end within 240 s:\n{stdout}\n{stderr}")
+    assert bench.returncode == 0, stdout + stderr
+    lines = stdout.strip().splitlines()
+    rows = [json.loads(line) for line in lines if line.startswith("{")]
+    *each, last = rows
+    assert [r["agents"] for r in each] == [8, 20]
+    assert set(last) == {
+        "agents",
+        "round_s",
+        "restart_round_s",
+        "heartbeat_p99_ms",
+        "after_round_p99_ms",
+        "master_cpu_per_s",
+        "master_rss_mib",
+    }
+    assert last["agents"] == 20
+    for row in each:
+        # Every phase ended: each figure is a measured time, and beats came in.
+        assert row["round_s"] >= 0 and row["restart_round_s"] > 0
+        assert row["replace_total_s"] >= row["replace_s"] > 0
+        assert row["replace_total_s"] >= 5.0  # the heartbeat timeout comes first
+        assert row["heartbeats_per_s"] > 0 and row["master_rss_mib"] > 0
+    assert "ms/agent round" in stdout  # the growth table
