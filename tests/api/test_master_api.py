@@ -85,6 +85,7 @@ def test_two_agents_form_a_round_over_http(tmp_path):
     asyncio.run(with_master(tmp_path, body))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hold", ["capped", "5s"])
 def test_a_node_waiting_in_a_join_is_not_silent(tmp_path, hold):
     """One of two nodes joins and waits for the other, asking again whenever its join comes

@@ -269,6 +269,7 @@ def test_a_truncated_shard_or_missing_manifest_is_never_loaded(tmp_path: Path) -
         loader.close()
 
 
+@pytest.mark.slow
 def test_killing_the_persister_mid_write_never_exposes_the_partial_step(tmp_path: Path) -> None:
     ckpt = Checkpointer(tmp_path / "ckpt")
     big = {"w": torch.randn(96 << 18)}  # 96 MiB: the write takes a while
@@ -432,6 +433,7 @@ def run_ranks(tmp_path: Path, script: str, world: int, *args: str) -> list[dict[
     return results
 
 
+@pytest.mark.slow
 def test_ranks_at_different_steps_in_memory_restore_from_storage(tmp_path: Path) -> None:
     steps = {0: [1, 2, 3, 4, 5], 1: [1, 2, 3, 4]}  # rank 1 is a step behind
     results = run_ranks(tmp_path, WORKER, 2, str(tmp_path / "ckpt"), json.dumps(steps))
@@ -473,6 +475,7 @@ DTENSOR = (
 )
 
 
+@pytest.mark.slow
 def test_sharded_dtensor_state_reshards_on_load(tmp_path: Path) -> None:
     saved = run_ranks(tmp_path, DTENSOR, 2, str(tmp_path / "ckpt"), "save")
     assert [r["local"] for r in saved] == [[5, 6], [5, 6]]
@@ -536,6 +539,7 @@ FSDP2 = (
 )
 
 
+@pytest.mark.slow
 def test_fsdp2_model_and_optimizer_saved_by_two_ranks_load_into_three(tmp_path: Path) -> None:
     run_ranks(tmp_path, FSDP2, 2, str(tmp_path / "ckpt"), "save")
     loaded = run_ranks(tmp_path, FSDP2, 3, str(tmp_path / "ckpt"), "load")

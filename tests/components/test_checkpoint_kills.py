@@ -124,6 +124,7 @@ def stop(pid: int) -> None:
         time.sleep(0.001)
 
 
+@pytest.mark.slow
 def test_a_stopped_standalone_persister_costs_a_save_at_most_its_timeout_and_is_replaced(
     tmp_path: Path,
 ) -> None:
@@ -152,6 +153,7 @@ def test_a_stopped_standalone_persister_costs_a_save_at_most_its_timeout_and_is_
     assert old is not None and not _alive(old)
 
 
+@pytest.mark.slow
 def test_a_stopped_node_persister_is_replaced_with_an_event_and_saves_go_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

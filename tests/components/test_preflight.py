@@ -164,6 +164,7 @@ def test_the_cpu_benchmark_times_a_matmul_and_checks_an_allreduce():
     assert slow.measures["matmul"] > 3 * normal.measures["matmul"]
 
 
+@pytest.mark.slow
 def test_the_benchmark_child_reports_a_result_a_failure_and_a_timeout(tmp_path):
     pytest.importorskip("torch")
     from planaria.agent.preflight import run_benchmark
@@ -194,6 +195,7 @@ def test_the_benchmark_child_reports_a_result_a_failure_and_a_timeout(tmp_path):
     assert "did not finish within 3s" in hung.error
 
 
+@pytest.mark.slow
 def test_the_benchmark_child_has_the_agent_s_environment_and_no_group_variables(monkeypatch):
     # What the guide and BenchmarkContext say: the group is in the context only. The child's
     # environment is the agent's as it is, so a variable there says nothing of this group.
@@ -227,6 +229,7 @@ def test_the_benchmark_child_has_the_agent_s_environment_and_no_group_variables(
     }
 
 
+@pytest.mark.slow
 def test_the_benchmark_child_dies_with_its_agent(tmp_path):
     """A hung benchmark never outlives the agent that started it (PR_SET_PDEATHSIG)."""
     import subprocess

@@ -342,6 +342,7 @@ print(sum(1 for c in codes if c == 0), flush=True)
 """
 
 
+@pytest.mark.slow
 def test_starting_from_a_parent_with_many_busy_threads_does_not_deadlock(tmp_path: Path) -> None:
     try:
         result = subprocess.run(

@@ -796,6 +796,7 @@ def test_agent_sigkill_leaves_nothing(tmp_path: Path) -> None:
 # --- speed ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
 def test_warm_spawn_is_fast(tmp_path: Path) -> None:
     prog = write(
