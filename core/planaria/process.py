@@ -24,6 +24,11 @@ process: start such a child from a thread that lives at least as long as the chi
 Standard library only, and nothing heavy at import (subprocess and asyncio are imported when
 used): the warm zygote, which runs without the ``planaria`` package so that workers start with a
 fresh interpreter's modules, loads this file by path.
+
+Why one module: a process group's life, from its start (the trampoline, the death signal) to
+its end (signalling and waiting out its members, read from ``/proc``), is one contract, and the
+zygote's by-path load needs both ends of it: split, this file would have to load its sibling by
+path too.
 """
 
 from __future__ import annotations

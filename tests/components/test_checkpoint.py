@@ -277,14 +277,14 @@ def test_killing_the_persister_mid_write_never_exposes_the_partial_step(tmp_path
         ckpt.save(1, {"w": torch.full((16,), 1.0)}, persist=True)
         ckpt.wait()
         ckpt.save(2, big, persist=True)
-        assert ckpt._process is not None
+        assert ckpt._persister.process is not None
         partial = tmp_path / "ckpt" / "step-2.partial"
         deadline = time.monotonic() + 30
         while not partial.exists() and time.monotonic() < deadline:
             time.sleep(0.001)
         assert partial.exists()
-        ckpt._process.kill()
-        ckpt._process.wait()
+        ckpt._persister.process.kill()
+        ckpt._persister.process.wait()
         assert not (tmp_path / "ckpt" / "step-2").exists()
     finally:
         ckpt.close()

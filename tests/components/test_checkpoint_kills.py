@@ -133,8 +133,8 @@ def test_a_stopped_standalone_persister_costs_a_save_at_most_its_timeout_and_is_
     try:
         ckpt.save(1, {"w": torch.full((1024,), 1.0)}, persist=True)
         ckpt.wait()
-        assert ckpt._process is not None
-        old = ckpt._process.pid
+        assert ckpt._persister.process is not None
+        old = ckpt._persister.process.pid
         stop(old)  # its storage hangs, as NFS does
         started = time.monotonic()
         ckpt.save(2, {"w": torch.full((1024,), 2.0)}, persist=True)
@@ -143,7 +143,7 @@ def test_a_stopped_standalone_persister_costs_a_save_at_most_its_timeout_and_is_
         assert not _alive(old)  # killed; its locks went with it
         ckpt.save(3, {"w": torch.full((1024,), 3.0)}, persist=True)
         ckpt.wait()
-        assert ckpt._process is not None and ckpt._process.pid != old
+        assert ckpt._persister.process is not None and ckpt._persister.process.pid != old
         assert store_at(tmp_path / "ckpt").committed_steps()[:2] == [3, 2]
     finally:
         if old is not None and _alive(old):

@@ -76,7 +76,7 @@ def test_save_wait_load_close_and_prepare_complete_a_pending_copy_first(
     state = {"w": torch.full((64,), 1.0)}
     try:
         ckpt.save(1, state, persist=True, blocking=False)
-        assert ckpt._pending == collections_deque()  # not handed to the persister yet
+        assert ckpt._persister.pending == collections_deque()  # not handed to the persister yet
         state["w"] += 1  # what a save of step 1 must not see: no guard here
         if call == "save":
             ckpt.save(2, {"w": torch.full((64,), 5.0)})

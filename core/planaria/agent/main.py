@@ -1,27 +1,37 @@
 """The agent's life: register, join a round, run the workers, report, obey the master.
 
 One agent per node, started by the scheduler (``planaria agent``). Workers get exactly
-torchrun's environment, so a torchrun-ready script runs unchanged. Nothing the agent starts
-outlives it: workers and the warm interpreter die with it, even on SIGKILL.
+torchrun's environment (:mod:`planaria.agent.worker_env`), so a torchrun-ready script runs
+unchanged. Nothing the agent starts outlives it: workers and the warm interpreter die with it,
+even on SIGKILL.
+
+Why one module: the agent's life is one loop over rounds (check, join, start the workers,
+watch them, report, do what the master answers), and each step reads and changes the same
+round's state and the same connection to the master; a step moved out would take that state
+along as arguments. What stands alone already does: starting and stopping workers
+(:mod:`~planaria.agent.workers`), the node's checkpoints (:mod:`~planaria.agent.checkpoints`),
+passing events and console lines on (:mod:`~planaria.agent.relay`), the pre-flight check
+(:mod:`~planaria.agent.preflight`) and the timer over an attempt
+(:mod:`~planaria.diagnosis.watch`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlparse
 
 from planaria.agent import address
 from planaria.agent.address import ADDR_ENV, free_port
 from planaria.agent.checkpoints import NodeCheckpoints
 from planaria.agent.client import FencedOut, MasterClient, MasterUnreachable
-from planaria.agent.console import INTERVAL, ConsoleBuffer, batches, console_streams
+from planaria.agent.console import ConsoleBuffer, console_streams
 from planaria.agent.preflight import preflight
+from planaria.agent.relay import Relay
+from planaria.agent.worker_env import worker_env
 from planaria.agent.worker_logs import LogLimits
 from planaria.agent.workers import (
     GroupResult,
@@ -44,10 +54,8 @@ from planaria.protocol import (
     Ack,
     Action,
     ChaosReport,
-    CheckpointEvent,
     Heartbeat,
     HeartbeatReply,
-    JobSpec,
     JoinReply,
     JoinRequest,
     ReattachReply,
@@ -57,7 +65,6 @@ from planaria.protocol import (
     RendezvousInfo,
     RoundDirectives,
     WorkerFailure,
-    WorkersOutput,
     WorkersReport,
 )
 from planaria.shm import UnsafePathError, make_private_dir, node_dir, remove_dir
@@ -65,8 +72,6 @@ from planaria.shm import UnsafePathError, make_private_dir, node_dir, remove_dir
 log = get_logger("agent")
 
 POLL = 0.02
-OUTPUT_TIMEOUT = 10.0
-"""The longest the workers' lines wait to be sent; a report waits 2 s at most for them."""
 
 
 def node_address(master_url: str) -> str:
@@ -76,44 +81,17 @@ def node_address(master_url: str) -> str:
     return address.node_address(urlparse(master_url).hostname or "", os.environ.get(ADDR_ENV))
 
 
-def worker_env(
-    spec: JobSpec, info: RendezvousInfo, local_rank: int, restart_count: int, extra: dict[str, str]
-) -> dict[str, str]:
-    """torchrun's environment for one worker, plus planaria's own variables."""
-    rank = info.rank_offset + local_rank
-    return {
-        **extra,
-        "RANK": str(rank),
-        "LOCAL_RANK": str(local_rank),
-        "WORLD_SIZE": str(info.world_size),
-        "LOCAL_WORLD_SIZE": str(spec.procs_per_node),
-        "GROUP_RANK": str(info.node_rank),
-        "GROUP_WORLD_SIZE": str(info.num_nodes),
-        "ROLE_RANK": str(rank),
-        "ROLE_WORLD_SIZE": str(info.world_size),
-        "ROLE_NAME": "default",
-        "MASTER_ADDR": info.master_addr,
-        "MASTER_PORT": str(info.master_port),
-        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
-        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
-        "TORCHELASTIC_RUN_ID": spec.run_id,
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
-    }
-
-
 class Agent:
     def __init__(self, client: MasterClient, node_id: str, host: str, addr: str) -> None:
         self.client = client
         self.node_id = node_id
         self.host = host
         self.addr = addr
-        self._event_sends: set[concurrent.futures.Future[None]] = set()
         self._sends: set[asyncio.Task[None]] = set()
         self._round: RendezvousInfo | None = None
         """The round this node's workers run, while they do."""
         self.checkpoints: NodeCheckpoints | None = None
         self.console: ConsoleBuffer | None = None
-        self._console_lock = asyncio.Lock()
         self._restart_reason = ""
         """Why the master restarted the workers: what the next round's logs are marked with."""
 
@@ -145,9 +123,12 @@ class Agent:
         self.loop = asyncio.get_running_loop()
         if spec.console:
             self.console = ConsoleBuffer()
+        self.relay = Relay(self.client, self.node_id, self.console, self.loop)
         try:
             if spec.checkpoint is not None:
-                self.checkpoints = NodeCheckpoints(spec.checkpoint, shm, self._checkpoint_event)
+                self.checkpoints = NodeCheckpoints(
+                    spec.checkpoint, shm, self.relay.checkpoint_event
+                )
                 self.checkpoints.start()
             self.board = ProgressBoard(shm / "progress", spec.procs_per_node)
         except BaseException:
@@ -165,7 +146,7 @@ class Agent:
             console=self.console,
         )
         warming = asyncio.ensure_future(launcher.start())
-        forwarding = asyncio.ensure_future(self._forward_output())
+        forwarding = asyncio.ensure_future(self.relay.forward_output())
         checked = not spec.diagnosis.preflight
         try:
             while True:
@@ -189,7 +170,7 @@ class Agent:
             warming.cancel()
             forwarding.cancel()
             await launcher.close()
-            await self._flush_output(timeout=2.0)
+            await self.relay.flush_output(timeout=2.0)
             self.board.close()
             if self.checkpoints is not None:
                 await asyncio.to_thread(self.checkpoints.stop)
@@ -372,86 +353,10 @@ class Agent:
             if action.kind in ("restart", "exit"):
                 return action
 
-    def _checkpoint_event(self, event: dict[str, Any]) -> None:
-        """A persister event (from its reader thread): forward it to the master."""
-        try:
-            report = CheckpointEvent(
-                node_id=self.node_id,
-                event=str(event.get("event")),
-                step=int(event.get("step", -1)),
-                rank=event.get("rank"),
-                bytes=event.get("bytes"),
-                seconds=event.get("seconds"),
-                error=str(event.get("error", "")),
-                steps=[int(s) for s in event.get("steps") or []],
-            )
-        except (ValueError, TypeError) as exc:
-            log.warning("bad persister event", event=event, error=str(exc))
-            return
-        if report.event == "shard_persisted":
-            return  # the commit event says it for every rank
-        sent = asyncio.run_coroutine_threadsafe(self._send_event(report), self.loop)
-        self._event_sends.add(sent)
-        sent.add_done_callback(self._event_sends.discard)
-
-    async def _flush_checkpoint_events(self) -> None:
-        """Before the workers' end is reported, the master learns what became of the steps
-        they persisted (their commit or failure decides how a finished job ends)."""
-        if self.checkpoints is None:
-            return
-        await asyncio.to_thread(self.checkpoints.sync, 2.0)
-        pending = [asyncio.wrap_future(f) for f in list(self._event_sends)]
-        if pending:
-            await asyncio.wait(pending, timeout=5.0)
-
-    async def _send_event(self, report: CheckpointEvent) -> None:
-        try:
-            await self.client.call("/checkpoint/event", report, Ack)
-        except Exception as exc:  # the master may be gone at the very end
-            log.warning("cannot report checkpoint event", error=str(exc))
-
-    async def _forward_output(self) -> None:
-        """Send the workers' lines to the master's console every :data:`INTERVAL` seconds
-        (:mod:`planaria.agent.console`)."""
-        if self.console is None:
-            return
-        while True:
-            await asyncio.sleep(INTERVAL)
-            await self._flush_output()
-
-    async def _flush_output(self, timeout: float = OUTPUT_TIMEOUT) -> None:
-        """Send what the console has not had yet: before a report, so that a worker's last
-        lines (its traceback) are on the console before the job's end is. It gives up after
-        ``timeout`` seconds (a report never waits longer for the console); what it could not
-        send is counted as not shown."""
-        console = self.console
-        if console is None:
-            return
-        try:
-            await asyncio.wait_for(self._console_lock.acquire(), timeout)
-        except asyncio.TimeoutError:
-            return
-        try:
-            lines, dropped = console.take()
-            parts = batches(lines) or ([[]] if dropped else [])
-            for i, part in enumerate(parts):
-                report = WorkersOutput(node_id=self.node_id, lines=part, dropped=dropped)
-                try:
-                    await asyncio.wait_for(self.client.call("/output", report, Ack), timeout)
-                except BaseException as exc:  # lost for the console; they are in the logs
-                    console.give_back(sum(len(p) for p in parts[i:]) + dropped)
-                    if not isinstance(exc, Exception):
-                        raise
-                    log.debug("cannot forward the workers' output", error=str(exc))
-                    return
-                dropped = 0
-        finally:
-            self._console_lock.release()
-
     async def _report(self, state: _RoundState, result: GroupResult) -> None:
         state.reported = True
-        await self._flush_output(timeout=2.0)
-        await self._flush_checkpoint_events()
+        await self.relay.flush_output(timeout=2.0)
+        await self.relay.flush_checkpoint_events(self.checkpoints)
         state.activity = "succeeded" if result.succeeded else "failed"
         failures = [
             self._failure(state, e)

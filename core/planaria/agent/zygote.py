@@ -17,6 +17,12 @@ error}``, ``exited {id, pid, exitcode, signal}``.
 Standard library only (and setproctitle's C function, where installed): the zygote loads this
 file by path, without the ``planaria`` package, so that the workers' ``sys.modules`` stays close
 to a fresh interpreter's; likewise :mod:`planaria.process`, which sets the death signals.
+
+Why one module: the zygote is one process whose every part runs in its single thread: the
+server that answers the agent, and the child it forks that turns itself into the worker
+(its arguments, ``sys.path``, ``__main__``, its exit). Being loaded by path is what keeps the
+workers' modules pristine; each further file would be another by-path load and another module
+in every worker. The agent's end of the protocol is :mod:`planaria.agent.zygote_client`.
 """
 
 from __future__ import annotations

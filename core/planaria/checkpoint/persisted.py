@@ -30,11 +30,19 @@ import json
 import re
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any, Literal, TypeVar
+from typing import Any
 
 import xxhash
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+# The records lived here first: their names stay importable from this module too.
+from planaria.checkpoint.manifest import FORMAT as FORMAT
+from planaria.checkpoint.manifest import HASH as HASH
+from planaria.checkpoint.manifest import FileEntry as FileEntry
+from planaria.checkpoint.manifest import Manifest as Manifest
+from planaria.checkpoint.manifest import ShardMeta as ShardMeta
+from planaria.checkpoint.manifest import ShardRecord as ShardRecord
+from planaria.checkpoint.manifest import checksum as checksum
+from planaria.checkpoint.manifest import parse_strict
 from planaria.errors import CheckpointCorruptError, FencedError, StorageError
 from planaria.log import get_logger
 from planaria.plugin.manager import PluginManager
@@ -43,8 +51,6 @@ from planaria.storage.api import CheckpointStorage
 
 log = get_logger("checkpoint")
 
-FORMAT: Literal["planaria-flash/1"] = "planaria-flash/1"
-HASH: Literal["xxh3_64"] = "xxh3_64"
 MANIFEST = "manifest.json"
 LATEST = "latest"
 FENCE = "fence"
@@ -71,97 +77,6 @@ def failed_name(rank: int) -> str:
 
 
 _FAILED = re.compile(r"^rank-(\d+)\.failed$")
-
-
-def checksum(chunks: Iterable[bytes | memoryview]) -> tuple[int, str]:
-    digest = xxhash.xxh3_64()
-    size = 0
-    for chunk in chunks:
-        digest.update(chunk)
-        size += len(chunk)
-    return size, digest.hexdigest()
-
-
-class _Strict(BaseModel):
-    # Strict: a flipped byte that turns a number into a string or a float is corruption, not
-    # something to coerce.
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-class FileEntry(_Strict):
-    """One file of a committed step, as the manifest lists it."""
-
-    size: int = Field(ge=0)
-    checksum: str = Field(pattern=r"^[0-9a-f]{16}$")
-
-
-class Manifest(_Strict):
-    """A committed step's ``manifest.json``: written last, it vouches for every file."""
-
-    format: Literal["planaria-flash/1"]
-    step: int = Field(ge=0)
-    world: int = Field(ge=1)
-    hash: Literal["xxh3_64"]
-    created: float
-    files: dict[str, FileEntry]
-    generation: int = Field(default=0, ge=0)
-    """The round whose workers saved it (see :meth:`PersistedCheckpoints.fence`)."""
-
-
-class ShardMeta(BaseModel):
-    """A shard's layout: its tensors in the flat buffer and the state's tree (see
-    :mod:`planaria.checkpoint.layout`)."""
-
-    model_config = ConfigDict(extra="allow", frozen=True, strict=True)
-
-    tensors: list[dict[str, Any]]
-    tree: Any
-    step: int
-
-
-class ShardRecord(_Strict):
-    """What the persister writes beside a shard, and what the manifest lists."""
-
-    format: Literal["planaria-flash/1"] = FORMAT
-    rank: int = Field(ge=0)
-    world: int = Field(ge=1)
-    step: int = Field(ge=0)
-    size: int = Field(ge=0)
-    hash: Literal["xxh3_64"] = HASH
-    checksum: str = Field(pattern=r"^[0-9a-f]{16}$")
-    meta: ShardMeta
-    generation: int = Field(default=0, ge=0)
-
-    def to_json(self) -> bytes:
-        return self.model_dump_json().encode()
-
-    @classmethod
-    def parse(cls, raw: bytes, where: str) -> ShardRecord:
-        return _parse(cls, raw, where, "shard record")
-
-
-_Model = TypeVar("_Model", bound=BaseModel)
-
-
-def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    keys = [key for key, _ in pairs]
-    if len(set(keys)) != len(keys):
-        raise ValueError(f"a key appears twice in {sorted(keys)}")
-    return dict(pairs)
-
-
-def _parse(model: type[_Model], raw: bytes, where: str, what: str) -> _Model:
-    """``raw`` as ``model``, or :class:`CheckpointCorruptError` saying what is wrong in it."""
-    try:
-        return model.model_validate(json.loads(raw, object_pairs_hook=_unique), strict=True)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '<top>'}: {e['msg']}"
-            for e in exc.errors(include_url=False)[:3]
-        )
-        raise CheckpointCorruptError(f"{where}: not a valid {what} ({problems})") from None
-    except (ValueError, TypeError, RecursionError) as exc:  # not JSON, not UTF-8, duplicates
-        raise CheckpointCorruptError(f"{where}: not a valid {what} ({exc})") from None
 
 
 def _chunks(view: memoryview, size: int = 64 << 20) -> Iterator[memoryview]:
@@ -374,7 +289,7 @@ class PersistedCheckpoints:
             raise CheckpointCorruptError(f"{key}: missing (the step was never committed)") from None
         except (StorageError, OSError) as exc:
             raise CheckpointCorruptError(f"{key}: cannot be read ({exc})") from exc
-        manifest = _parse(Manifest, raw, key, "manifest")
+        manifest = parse_strict(Manifest, raw, key, "manifest")
         if manifest.step != step:
             raise CheckpointCorruptError(
                 f"{key}: not a valid manifest (it describes step {manifest.step})"

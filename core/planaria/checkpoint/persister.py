@@ -32,6 +32,12 @@ knows every event before it was read.
 The persister follows its parent (``--parent``): it is told at once when the parent dies
 (``PR_SET_PDEATHSIG``), polls as a backstop, and then finishes what was pinned and exits within
 a bounded time (``--stop-timeout``), giving steps that still wait for shards one grace period.
+
+Why one module: the protocol above, the server that answers it (:class:`Persister`) and the
+process that runs it (:func:`main`) change together; :func:`command` and :func:`ask` are what
+its two clients (a trainer's :mod:`~planaria.checkpoint.persister_client`, the agent's
+:mod:`~planaria.agent.checkpoints`) need of it. A trainer's side of the protocol, with its
+reconnects and replacements, is :mod:`planaria.checkpoint.persister_client`.
 """
 
 from __future__ import annotations

@@ -19,6 +19,12 @@ Locks are POSIX record locks on each slot's descriptor (``fcntl.lockf``): a writ
 exclusive lock while it copies, a reader a shared one. The kernel drops them when a process
 dies, so a crashed writer or reader never wedges the other. A slot's descriptor is set to
 ``WRITING`` before its data changes and to ``VALID`` only after data and metadata are complete.
+
+Why one module: :class:`Segment` is one mapping and the protocol over its slots (descriptors,
+locks, states). Readying its pages (pre-faulting, pinning them for a device) and reading them
+back act on the same mapping, slot by slot, and are ordered by its life: pinning waits for
+pre-faulting, and :meth:`Segment.close` unpins before it unmaps. Apart, each would hold a
+mapping it does not own.
 """
 
 from __future__ import annotations
