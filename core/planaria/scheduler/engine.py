@@ -14,10 +14,12 @@ of the backend (a subclass), in the shape of a reconciler over a small instance 
     the node a :meth:`~EngineScheduler.replace` lets go of: its place counts as free. May
     raise :class:`~planaria.errors.SchedulerError` (the cluster cannot be asked).
 ``start(node) -> DataT``
-    Start the agent of ``node`` (``node.node_id``, ``node.spec``) on ``node.host`` and return
-    what the backend needs to watch and stop it; it becomes ``node.data``. Raise
-    :class:`~planaria.errors.SchedulerError` when it cannot start. A backend whose nodes run as
-    soon as they exist says so with :meth:`~EngineScheduler.report` (``running``).
+    Start the agent of ``node`` (``node.node_id``, ``node.spec``) on ``node.host`` (a backend
+    whose cluster manager picks the machine, as Kubernetes does, may have ``place`` return a
+    label and set ``node.host`` later, from ``observe``; ``node.avoid`` is what to keep it
+    off) and return what the backend needs to watch and stop it; it becomes ``node.data``.
+    Raise :class:`~planaria.errors.SchedulerError` when it cannot start. A backend whose nodes
+    run as soon as they exist says so with :meth:`~EngineScheduler.report` (``running``).
 ``terminate(nodes, grace)``
     Stop the nodes' agents and whatever they started (SIGTERM, SIGKILL after ``grace``
     seconds, or the cluster manager's equivalent), and return once they are gone. Called with
@@ -126,7 +128,9 @@ class EngineNode(Generic[DataT]):
     released: bool = False
     """Stopped or replaced: the caller let go of it and hears nothing more about it."""
     avoid: frozenset[str] = frozenset()
-    """The hosts a waiting node must not be placed on (those excluded when it was asked for)."""
+    """The hosts the node must not be placed on (those excluded when it was asked for): what
+    ``place`` was given, kept for a waiting node's next try and for a backend whose cluster
+    manager places the node itself (``start`` writes it as anti-affinity)."""
 
     @property
     def started(self) -> bool:
@@ -391,8 +395,8 @@ class EngineScheduler(Scheduler[OptionsT], Generic[OptionsT, DataT]):
     def _add(self, node: EngineNode[DataT], host: str | None, avoid: frozenset[str]) -> None:
         """Put ``node`` in the table and start it on ``host``, or leave it waiting."""
         self.nodes[node.node_id] = node
+        node.avoid = avoid
         if host is None:
-            node.avoid = avoid
             return
         node.host = host
         node.data = self.start(node)
@@ -435,5 +439,4 @@ class EngineScheduler(Scheduler[OptionsT], Generic[OptionsT, DataT]):
                 node.host = host
                 node.data = self.start(node)
             except SchedulerError as exc:
-                node.host = node.host or ""
                 self.report(node, NodeState.FAILED, f"cannot start: {exc}")
