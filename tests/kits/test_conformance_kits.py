@@ -117,7 +117,9 @@ def test_the_scheduler_kit(run_kit: Callable[..., PytestRun]) -> None:
         "TestStopsOnlyAll": {
             "test_stop_leaves_no_process",
             "test_stop_is_idempotent_and_silences_the_nodes",
+            "test_an_unknown_node_id_is_an_error_naming_it",
         },
+        "TestEndsTwice": {"test_a_node_ends_once"},
         "TestEndpointsAsAddresses": {"test_node_addresses_before_a_launch_then_a_launch"},
     }, run.output
 

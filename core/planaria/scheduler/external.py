@@ -40,7 +40,7 @@ from planaria.scheduler.api import (
     Scheduler,
     SchedulerRecord,
 )
-from planaria.scheduler.local import open_node_log
+from planaria.scheduler.logs import open_node_log
 
 log = get_logger("scheduler")
 

@@ -47,7 +47,6 @@ import re
 import shutil
 import signal
 import subprocess
-import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -66,10 +65,10 @@ from planaria.scheduler.api import (
     NodeEvent,
     NodeHandle,
     NodeState,
-    Scheduler,
     SchedulerRecord,
-    poll_events,
 )
+from planaria.scheduler.engine import EngineNode, EngineScheduler, Unplaceable, exit_event
+from planaria.scheduler.logs import open_node_log as open_node_log  # its home before logs
 from planaria.shm import node_dir, remove_dir
 
 log = get_logger("scheduler.local")
@@ -173,15 +172,11 @@ class _Adopted:
 
 
 @dataclass(eq=False)
-class _Node:
-    node_id: str
-    host: str
-    spec: LaunchSpec
+class _Process:
+    """A started node's agent process: the engine's data of a local node."""
+
     proc: subprocess.Popen[bytes] | _Adopted
     pidfd: int | None
-    state: NodeState = NodeState.RUNNING
-    released: bool = False
-    """Stopped or replaced: the caller let go of it and hears nothing more about it."""
 
     @property
     def pid(self) -> int:
@@ -195,6 +190,20 @@ class _Node:
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
+
+    def collect(self) -> None:
+        self.proc.wait()
+        self.close_pidfd()
+
+    def forget(self) -> None:
+        """Stop watching a process that was reaped by someone else."""
+        self.proc.returncode = -signal.SIGKILL
+        self.close_pidfd()
+
+
+_LocalNode = EngineNode[_Process]
+
+_ADOPTED_EXIT = "exited; its status is unknown to a master that took the node over"
 
 
 def _open_pidfd(pid: int) -> int | None:
@@ -219,39 +228,15 @@ def _has_exited(pid: int) -> bool:
         raise _ReapedElsewhere from None
 
 
-def _exit_event(node_id: str, returncode: int, adopted: bool = False) -> NodeEvent:
-    if adopted:
-        return NodeEvent(
-            node_id=node_id,
-            state=NodeState.LOST,
-            reason="exited; its status is unknown to a master that took the node over",
-        )
-    if returncode == 0:
-        return NodeEvent(node_id=node_id, state=NodeState.SUCCEEDED)
-    if returncode > 0:
-        return NodeEvent(node_id=node_id, state=NodeState.FAILED, reason=f"exit code {returncode}")
-    reason = f"killed by {process.signal_name(-returncode)}"
-    return NodeEvent(node_id=node_id, state=NodeState.LOST, reason=reason)
-
-
-def open_node_log(log_dir: Path, node_id: str) -> int:
-    """``<log_dir>/<node_id>.log``, 0600, appended: where a node's agent writes."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    path = log_dir / f"{node_id}.log"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # also when the file existed, or the umask was unusual
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
-
-
-class LocalScheduler(Scheduler[LocalOptions]):
-    """Nodes are agent processes on this machine (see the module docstring)."""
+class LocalScheduler(EngineScheduler[LocalOptions, _Process]):
+    """Nodes are agent processes on this machine (see the module docstring). The engine
+    (:mod:`planaria.scheduler.engine`) keeps the nodes, their events and the excluded hosts;
+    this class places nodes on virtual hosts and slots, and starts, watches and kills their
+    processes."""
 
     name = "local"
     nodes_here = True
+    owner_thread = "its nodes die when the thread that started them exits (PR_SET_PDEATHSIG)"
 
     @classmethod
     def capacity_issues(
@@ -283,152 +268,34 @@ class LocalScheduler(Scheduler[LocalOptions]):
 
     def __init__(self, options: LocalOptions) -> None:
         super().__init__(options)
-        self._nodes: dict[str, _Node] = {}
-        self._events: list[NodeEvent] = []
-        self._excluded: set[str] = set()
-        self._next_number = 0
         self._cursor = 0
-        self._owner: threading.Thread | None = None
-        self._queue: dict[str, tuple[LaunchSpec, set[str]]] = {}
-        """Nodes waiting for a free slot: their spec and the hosts they must avoid."""
 
-    # -- the Scheduler interface --------------------------------------------------------
-
-    def launch(self, spec: LaunchSpec, count: int) -> list[NodeHandle]:
-        """Start ``count`` nodes. Each is reported ``running`` by the next :meth:`poll`.
-
-        All or nothing: when one cannot be started, or :meth:`interrupt` is called meanwhile,
-        those started by this call are stopped.
-        """
-        if count < 0:
-            raise SchedulerError(f"cannot launch {count} nodes: the count must be 0 or more")
-        self._check_thread()
-        self._check_command(spec)
-        if count == 0:
-            return []
-        self.check_interrupted("cannot launch nodes")
-        self._check_room(count)
-        self._check_placeable(self._excluded, "cannot launch nodes")
-        started: list[_Node] = []
-        handles: list[NodeHandle] = []
-        first = self._next_number
-        try:
-            for done in range(count):
-                self.check_interrupted(f"launching stopped after {done} of {count} nodes")
-                node_id = self._new_id()
-                if self._has_slot():
-                    node = self._start(spec, self._choose_host(self._excluded, node_id), node_id)
-                    started.append(node)
-                    handles.append(self._handle(node))
-                else:
-                    self._queue[node_id] = (spec, set(self._excluded))
-                    handles.append(NodeHandle(node_id=node_id, host="", state=NodeState.PENDING))
-        except BaseException:
-            self._release(started)
-            self._terminate(started, grace=0.0)
-            for handle in handles:
-                self._queue.pop(handle.node_id, None)
-            self._next_number = first  # nothing was started: the numbering goes on
-            raise
-        return handles
-
-    def poll(self, timeout: float) -> list[NodeEvent]:
-        """State changes since the last call, in the order seen; waits at most ``timeout``
-        seconds for the first. A node's exit is seen at once (through a pidfd)."""
-        return poll_events(timeout, self._take, self._wait)
-
-    def _take(self) -> list[NodeEvent]:
-        self._reap()
-        self._start_queued()
-        events, self._events = self._events, []
-        return events
-
-    def replace(self, node_id: str, *, exclude_host: bool) -> NodeHandle:
-        """Stop ``node_id`` (gracefully, within ``stop_grace``) if it still runs, unless
-        ``keep_replaced`` leaves it running, and start a node with a new id and the same
-        spec. With ``exclude_host`` the old node's host is excluded from now on. Raises
-        :class:`SchedulerError`, changing nothing, when no host is left to place the new node
-        on, or after :meth:`interrupt`."""
-        self._check_thread()
-        self.check_interrupted(f"cannot replace {node_id}")
-        if node_id in self._queue:  # never started: the new node simply takes its place
-            spec, _ = self._queue.pop(node_id)
-            new_id = self._new_id()
-            self._queue[new_id] = (spec, set(self._excluded))
-            return NodeHandle(node_id=new_id, host="", state=NodeState.PENDING)
-        node = self._get(node_id)
-        if node.released:
-            raise SchedulerError(f"cannot replace {node_id}: it was already stopped or replaced")
-        avoid = self._excluded | {node.host} if exclude_host else self._excluded
-        self._check_placeable(avoid, f"cannot replace {node_id}")
-        if exclude_host:
-            self._excluded.add(node.host)
-        self._release([node])
-        if self.options.keep_replaced:
-            log.info("replaced node left running (keep_replaced)", node=node_id, pid=node.pid)
-        else:
-            self._terminate([node], grace=self.options.stop_grace)
-        new_id = self._new_id()
-        if not self._has_slot():
-            self._queue[new_id] = (node.spec, avoid)
-            log.info("node replacement queued", node=node_id, replacement=new_id)
-            return NodeHandle(node_id=new_id, host="", state=NodeState.PENDING)
-        new = self._start(node.spec, self._choose_host(avoid, new_id), new_id)
-        log.info("node replaced", node=node_id, replacement=new.node_id, host=new.host)
-        return self._handle(new)
-
-    def stop(self, node_ids: list[str] | None = None) -> None:
-        """SIGTERM each node's process group, SIGKILL whatever is left after ``stop_grace``,
-        and return once the processes are gone. Stopped nodes produce no further events.
-        Stopping a node again is a no-op; an id this scheduler never gave out is an error."""
-        if node_ids is None:
-            self._queue.clear()
-            targets = list(self._nodes.values())
-        else:
-            wanted = [n for n in dict.fromkeys(node_ids) if self._queue.pop(n, None) is None]
-            targets = [self._get(node_id) for node_id in wanted]
-        self._release(targets)
-        self._terminate(targets, grace=self.options.stop_grace)
-        if node_ids is None:
-            # These nodes share this machine's /dev/shm: whatever an agent killed without a
-            # chance to clean up (and its persister) left there goes with the job.
-            for node in targets:
-                if node.spec.run_id:
-                    remove_dir(node_dir(node.spec.run_id, node.node_id))
+    # -- the Scheduler interface, beyond the engine's ------------------------------------
 
     def adopt(self, spec: LaunchSpec, handles: list[NodeHandle], excluded: set[str]) -> None:
         """Take over the nodes a master before this one started (the module docstring says
         how they are watched); those that have ended meanwhile are reported lost."""
-        self._check_thread()
-        self._excluded |= excluded
+        self.check_thread()
+        self.keep_excluded(excluded)
         for handle in handles:
-            number = handle.node_id.removeprefix("node-")
-            if number.isdigit():
-                self._next_number = max(self._next_number, int(number) + 1)
             pid, started = handle.data.get("pid", ""), handle.data.get("start", "")
             if not pid.isdigit() or not started:  # it was waiting for a slot: it still does
-                if handle.state is not NodeState.LOST:
-                    self._queue[handle.node_id] = (spec, set(self._excluded))
+                self.add_adopted(handle, spec, None)
                 continue
             proc = _Adopted(int(pid), started)
-            node = _Node(handle.node_id, handle.host, spec, proc, None)
-            self._nodes[handle.node_id] = node
+            node = self.add_adopted(handle, spec, _Process(proc, None))
             if handle.state is NodeState.LOST or proc.exited():
                 proc.returncode = proc.returncode or -signal.SIGKILL
-                node.state = NodeState.LOST
-                if handle.state is not NodeState.LOST:  # it ended while no master watched
-                    self._events.append(_exit_event(node.node_id, -1, adopted=True))
+                # Said only of one that ended while no master watched (a lost one is quiet).
+                self.report(node, NodeState.LOST, _ADOPTED_EXIT)
                 continue
-            node.pidfd = _open_pidfd(proc.pid)
+            assert node.data is not None
+            node.data.pidfd = _open_pidfd(proc.pid)
             if not proc.exited():  # the pidfd names the process we checked
                 log.info("node adopted", node=node.node_id, host=node.host, pid=proc.pid)
                 continue
-            node.close_pidfd()
-            node.state = NodeState.LOST
-            self._events.append(_exit_event(node.node_id, -1, adopted=True))
-
-    def excluded_hosts(self) -> set[str]:
-        return set(self._excluded)
+            node.data.close_pidfd()
+            self.report(node, NodeState.LOST, _ADOPTED_EXIT)
 
     def node_addresses(self) -> list[str]:
         """``127.0.0.1``: the nodes run on this machine; with ``netns``, the addresses in
@@ -438,53 +305,10 @@ class LocalScheduler(Scheduler[LocalOptions]):
             return ["127.0.0.1"]
         return [a for name in self.options.netns for a in _netns_addresses(name)]
 
-    # -- placement ------------------------------------------------------------------------
+    # -- checks -----------------------------------------------------------------------------
 
-    def _hosts(self) -> list[str]:
-        return [f"local-{i}" for i in range(self.options.hosts)]
-
-    def _check_placeable(self, avoid: set[str], what: str) -> None:
-        hosts = self._hosts()
-        if hosts and all(host in avoid for host in hosts):
-            raise SchedulerError(
-                f"{what}: all {len(hosts)} local host(s) are excluded "
-                f"({', '.join(sorted(avoid & set(hosts)))}); raise the local scheduler's "
-                "`hosts` option to have more virtual hosts"
-            )
-
-    def _choose_host(self, avoid: set[str], node_id: str) -> str:
-        hosts = self._hosts()
-        if not hosts:
-            # One host per node, named like it: never an excluded one.
-            return node_id.replace("node-", "local-", 1)
-        for _ in hosts:
-            host = hosts[self._cursor % len(hosts)]
-            self._cursor += 1
-            if host not in avoid:
-                return host
-        raise AssertionError("unreachable: _check_placeable was called first")
-
-    # -- processes ------------------------------------------------------------------------
-
-    def _check_thread(self) -> None:
-        current = threading.current_thread()
-        if self._owner is None:
-            self._owner = current
-        elif self._owner is not current:
-            what = (
-                "has exited, which killed the nodes it started"
-                if not self._owner.is_alive()
-                else "must stay the only one"
-            )
-            raise SchedulerError(
-                f"the local scheduler starts processes from one long-lived thread, because "
-                f"its nodes die when the thread that started them exits (PR_SET_PDEATHSIG): "
-                f"called from {current.name!r}, but {self._owner.name!r} {what}"
-            )
-
-    def _check_command(self, spec: LaunchSpec) -> None:
-        if not spec.command:
-            raise SchedulerError("cannot launch nodes: the launch command is empty")
+    def check_spec(self, spec: LaunchSpec) -> None:
+        super().check_spec(spec)
         path = {**os.environ, **spec.env}.get("PATH", os.defpath)
         if shutil.which(spec.command[0], path=path) is None:
             raise SchedulerError(
@@ -510,6 +334,57 @@ class LocalScheduler(Scheduler[LocalOptions]):
                 "to the master's network (a veth pair), or remove it from the list"
             )
 
+    def check_room(self, count: int) -> None:
+        """The job's size was checked when its config loaded; this holds for every caller."""
+        limit = self.options.node_limit
+        have = sum(1 for n in self.nodes.values() if not n.released)
+        if have + count > limit:
+            raise SchedulerError(
+                f"cannot launch {count} more node(s) beside {have}: the local scheduler runs "
+                f"at most {limit} on this machine (its option max_nodes)"
+            )
+        headroom = process_headroom()
+        if headroom is not None and count * PROCESSES_PER_NODE > headroom[0]:
+            raise SchedulerError(
+                f"cannot launch {count} node(s): this machine's process table has room for "
+                f"{headroom[0]} more processes ({headroom[1]})"
+            )
+
+    # -- placement ------------------------------------------------------------------------
+
+    def place(
+        self, node: _LocalNode, avoid: frozenset[str], replacing: _LocalNode | None
+    ) -> str | None:
+        """A virtual host (the node's own with ``hosts: 0``, else the next one not avoided),
+        once a slot is free."""
+        hosts = self._hosts()
+        if hosts and all(host in avoid for host in hosts):
+            raise Unplaceable(
+                f"all {len(hosts)} local host(s) are excluded "
+                f"({', '.join(sorted(avoid & set(hosts)))}); raise the local scheduler's "
+                "`hosts` option to have more virtual hosts"
+            )
+        running = sum(
+            1
+            for n in self.nodes.values()
+            if n.data is not None and not n.released and not n.data.reaped and n is not replacing
+        )
+        if self.options.slots and running >= self.options.slots:
+            return None
+        if not hosts:
+            # One host per node, named like it: never an excluded one.
+            return node.node_id.replace("node-", "local-", 1)
+        while True:
+            host = hosts[self._cursor % len(hosts)]
+            self._cursor += 1
+            if host not in avoid:
+                return host
+
+    def _hosts(self) -> list[str]:
+        return [f"local-{i}" for i in range(self.options.hosts)]
+
+    # -- processes ------------------------------------------------------------------------
+
     def _command(self, spec: LaunchSpec, node_id: str) -> tuple[str, ...]:
         """The node's command; in its network namespace when ``netns`` is set. ``ip netns
         exec`` execs the command in the same process (no fork), so the pid, the process
@@ -525,39 +400,8 @@ class LocalScheduler(Scheduler[LocalOptions]):
             )
         return ("ip", "netns", "exec", netns, *spec.command)
 
-    def _check_room(self, count: int) -> None:
-        """The job's size was checked when its config loaded; this holds for every caller."""
-        limit = self.options.node_limit
-        have = len(self._queue) + sum(1 for n in self._nodes.values() if not n.released)
-        if have + count > limit:
-            raise SchedulerError(
-                f"cannot launch {count} more node(s) beside {have}: the local scheduler runs "
-                f"at most {limit} on this machine (its option max_nodes)"
-            )
-        headroom = process_headroom()
-        if headroom is not None and count * PROCESSES_PER_NODE > headroom[0]:
-            raise SchedulerError(
-                f"cannot launch {count} node(s): this machine's process table has room for "
-                f"{headroom[0]} more processes ({headroom[1]})"
-            )
-
-    def _new_id(self) -> str:
-        node_id = f"node-{self._next_number}"
-        self._next_number += 1
-        return node_id
-
-    def _has_slot(self) -> bool:
-        running = sum(1 for n in self._nodes.values() if not n.released and not n.reaped)
-        return self.options.slots == 0 or running < self.options.slots
-
-    def _start_queued(self) -> None:
-        while self._queue and self._has_slot() and not self.interrupted:
-            node_id, (spec, avoid) = next(iter(self._queue.items()))
-            del self._queue[node_id]
-            self._check_thread()
-            self._start(spec, self._choose_host(avoid, node_id), node_id)
-
-    def _start(self, spec: LaunchSpec, host: str, node_id: str) -> _Node:
+    def start(self, node: _LocalNode) -> _Process:
+        spec, node_id, host = node.spec, node.node_id, node.host
         env = {**os.environ, **spec.env, "PLANARIA_NODE_ID": node_id, "PLANARIA_HOST": host}
         try:
             log_fd = None if spec.log_dir is None else open_node_log(spec.log_dir, node_id)
@@ -579,116 +423,107 @@ class LocalScheduler(Scheduler[LocalOptions]):
         finally:
             if log_fd is not None:
                 os.close(log_fd)
-        node = _Node(node_id, host, spec, proc, _open_pidfd(proc.pid))
-        self._nodes[node_id] = node
         # A local process runs as soon as it exists: the next poll reports it running.
-        self._events.append(NodeEvent(node_id=node_id, state=NodeState.RUNNING))
+        self.report(node, NodeState.RUNNING)
         log.info("node started", node=node_id, host=host, pid=proc.pid)
-        return node
+        return _Process(proc, _open_pidfd(proc.pid))
 
-    def _handle(self, node: _Node) -> NodeHandle:
-        started = start_time(node.pid) or ""
-        return NodeHandle(
-            node_id=node.node_id,
-            host=node.host,
-            state=NodeState.PENDING,
-            data={"pid": str(node.pid), "start": started},
-        )
+    def handle_data(self, node: _LocalNode) -> dict[str, str]:
+        """The pid and its start time: they name the process for good (:meth:`adopt`)."""
+        assert node.data is not None
+        return {"pid": str(node.data.pid), "start": start_time(node.data.pid) or ""}
 
-    def _get(self, node_id: str) -> _Node:
-        node = self._nodes.get(node_id)
-        if node is None:
-            raise SchedulerError(f"unknown node {node_id!r}: this local scheduler never started it")
-        return node
-
-    def _release(self, nodes: Iterable[_Node]) -> None:
-        ids = set()
-        for node in nodes:
-            node.released = True
-            ids.add(node.node_id)
-        self._events = [e for e in self._events if e.node_id not in ids]
-
-    def _reap(self) -> None:
-        """Turn every exit of a watched node into an event."""
-        for node in self._nodes.values():
-            if node.released or node.reaped:
+    def observe(self) -> list[NodeEvent]:
+        """Every exit of a watched node, as an event."""
+        events = []
+        for node in self.nodes.values():
+            proc = node.data
+            if proc is None or node.released or proc.reaped:
                 continue
-            if isinstance(node.proc, _Adopted):
-                if not node.proc.exited():
+            if isinstance(proc.proc, _Adopted):
+                if not proc.proc.exited():
                     continue
-                process.signal_group(node.pid, signal.SIGKILL)  # its workers, if any are left
-                self._collect(node)
-                event = _exit_event(node.node_id, -1, adopted=True)
-                node.state = event.state
-                self._events.append(event)
-                log.info("node's agent exited", node=node.node_id, how=event.reason)
-                continue
-            try:
-                if not _has_exited(node.pid):
-                    continue
-            except _ReapedElsewhere:
-                self._forget(node)
-                event = NodeEvent(
-                    node_id=node.node_id,
-                    state=NodeState.LOST,
-                    reason="exit status unknown: the process was reaped outside the scheduler",
-                )
+                process.signal_group(proc.pid, signal.SIGKILL)  # its workers, if any are left
+                proc.collect()
+                event = NodeEvent(node_id=node.node_id, state=NodeState.LOST, reason=_ADOPTED_EXIT)
             else:
-                # The agent is gone but not yet reaped, so its group id is still its own:
-                # whatever the agent left in its group goes with it, as with a lost machine.
-                process.signal_group(node.pid, signal.SIGKILL)
-                self._collect(node)
-                event = _exit_event(node.node_id, node.proc.returncode)
-            node.state = event.state
-            self._events.append(event)
+                try:
+                    if not _has_exited(proc.pid):
+                        continue
+                except _ReapedElsewhere:
+                    proc.forget()
+                    event = NodeEvent(
+                        node_id=node.node_id,
+                        state=NodeState.LOST,
+                        reason="exit status unknown: the process was reaped outside the scheduler",
+                    )
+                else:
+                    # The agent is gone but not yet reaped, so its group id is still its own:
+                    # whatever the agent left in its group goes with it, as with a lost machine.
+                    process.signal_group(proc.pid, signal.SIGKILL)
+                    proc.collect()
+                    assert proc.proc.returncode is not None
+                    event = exit_event(node.node_id, proc.proc.returncode)
+            events.append(event)
             # How its agent ended: exit 0 is no verdict on the job, which may have failed.
             log.info("node's agent exited", node=node.node_id, how=event.reason or "exit code 0")
+        return events
 
-    def _collect(self, node: _Node) -> None:
-        node.proc.wait()
-        node.close_pidfd()
-
-    def _forget(self, node: _Node) -> None:
-        """Stop watching a node whose process was reaped by someone else."""
-        node.proc.returncode = -signal.SIGKILL
-        node.close_pidfd()
-
-    def _wait(self, remaining: float) -> None:
+    def wait(self, remaining: float) -> None:
         """Sleep until a watched node may have exited, at most ``remaining`` seconds."""
-        live = [n for n in self._nodes.values() if not n.released and not n.reaped]
-        fds = [n.pidfd for n in live if n.pidfd is not None]
+        live = [
+            n.data for n in self.nodes.values() if n.data and not n.released and not n.data.reaped
+        ]
+        fds = [p.pidfd for p in live if p.pidfd is not None]
         if len(fds) < len(live):
             remaining = min(remaining, _POLL_INTERVAL)
         process.wait_readable(fds, remaining)
 
-    def _terminate(self, nodes: list[_Node], grace: float) -> None:
+    def retire(self, node: _LocalNode) -> None:
+        if self.options.keep_replaced:
+            assert node.data is not None
+            log.info(
+                "replaced node left running (keep_replaced)", node=node.node_id, pid=node.data.pid
+            )
+        else:
+            super().retire(node)
+
+    def terminate(self, nodes: list[_LocalNode], grace: float) -> None:
         """SIGTERM the groups, SIGKILL them after ``grace``, wait until no process of the groups
         is left, then reap the agents. Only groups whose agent is still unreaped are
         signalled: their id cannot belong to anyone else."""
-        nodes = [n for n in nodes if not n.reaped]
-        for node in list(nodes):
-            if isinstance(node.proc, _Adopted):
-                if node.proc.exited():  # its pid may be someone else's by now
-                    node.close_pidfd()
-                    nodes.remove(node)
+        procs = {n.node_id: n.data for n in nodes if n.data is not None and not n.data.reaped}
+        for node_id, proc in list(procs.items()):
+            if isinstance(proc.proc, _Adopted):
+                if proc.proc.exited():  # its pid may be someone else's by now
+                    proc.close_pidfd()
+                    del procs[node_id]
                 continue
             try:
-                _has_exited(node.pid)
+                _has_exited(proc.pid)
             except _ReapedElsewhere:  # its pid may be someone else's by now: never signal it
-                self._forget(node)
-                nodes.remove(node)
-        if not nodes:
+                proc.forget()
+                del procs[node_id]
+        if not procs:
             return
-        left = process.kill_groups({n.pid for n in nodes}, grace)
+        left = process.kill_groups({p.pid for p in procs.values()}, grace)
         # Only now are the agents reaped: until then their group ids could not be reused.
-        for node in nodes:
-            self._collect(node)
-            log.info("node stopped", node=node.node_id, returncode=node.proc.returncode)
+        for node_id, proc in procs.items():
+            proc.collect()
+            log.info("node stopped", node=node_id, returncode=proc.proc.returncode)
         if left:
             log.warning(
                 "processes of stopped nodes survived SIGKILL",
-                nodes=[n.node_id for n in nodes if n.pid in left],
+                nodes=[i for i, p in procs.items() if p.pid in left],
             )
+
+    def after_stop(self, nodes: list[_LocalNode], everything: bool) -> None:
+        """These nodes share this machine's /dev/shm: whatever an agent killed without a
+        chance to clean up (and its persister) left there goes with the job."""
+        if everything:
+            for node in nodes:
+                if node.started and node.spec.run_id:
+                    remove_dir(node_dir(node.spec.run_id, node.node_id))
 
 
 @hookimpl

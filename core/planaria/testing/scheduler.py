@@ -16,6 +16,12 @@ Override the ``launch_spec`` fixture when the scheduler needs more than a comman
 environment (a log directory, a run id). Capability flags say what a scheduler cannot do:
 ``supports_host_exclusion = False`` skips the test of replacing a node away from its host.
 
+The suite checks what every scheduler promises, whether it is built on the engine
+(:mod:`planaria.scheduler.engine`, which keeps these promises once for all its backends) or
+not: distinct node ids and an error naming an unknown one, host exclusion kept, nothing started
+after :meth:`~planaria.scheduler.api.Scheduler.interrupt`, each node's end reported once, and
+no event of a node the caller let go of.
+
 Example::
 
     class TestMyScheduler(SchedulerConformance):
@@ -38,6 +44,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from planaria.errors import SchedulerError
 from planaria.master.advertise import carried_name
 from planaria.process import running
 from planaria.protocol import NODE_ID_ENV
@@ -291,6 +298,35 @@ class SchedulerConformance:
         started = time.monotonic()
         assert cluster.poll(0) == []
         assert time.monotonic() - started <= 2 * timeout
+
+    def test_a_node_ends_once(self, cluster: Cluster) -> None:
+        (done,) = cluster.launch(1, self.exit_command(0))
+        cluster.wait_for(done.node_id, TERMINAL, self.start_timeout)
+        cluster.poll(self.poll_timeout)
+        ends = [e for e in cluster.events if e.node_id == done.node_id and e.state in TERMINAL]
+        assert len(ends) == 1, f"{done.node_id} was reported ended more than once: {ends}"
+
+    # -- the scheduler's own rules -----------------------------------------------------------
+
+    def test_an_unknown_node_id_is_an_error_naming_it(self, cluster: Cluster) -> None:
+        self.running(cluster, 1)
+        for what, call in (
+            ("stop", lambda: cluster.scheduler.stop(["node-no-such"])),
+            ("replace", lambda: cluster.scheduler.replace("node-no-such", exclude_host=False)),
+        ):
+            with pytest.raises(SchedulerError) as raised:
+                call()
+            assert "node-no-such" in str(raised.value), f"{what}: {raised.value}"
+
+    def test_after_interrupt_nothing_starts(self, cluster: Cluster) -> None:
+        """A stopping job's scheduler starts nothing more; stopping it still works (the
+        suite stops it afterwards and checks that no process is left)."""
+        (running,) = self.running(cluster, 1)
+        cluster.scheduler.interrupt()
+        with pytest.raises(SchedulerError, match="stopping"):
+            cluster.launch(1)
+        with pytest.raises(SchedulerError, match="stopping"):
+            cluster.scheduler.replace(running.node_id, exclude_host=False)
 
     # -- node loss ---------------------------------------------------------------------------
 
