@@ -6,7 +6,7 @@ gives it back typed. In the timeline (``events.jsonl``) an event is one JSON lin
 an object under ``data``; fields without a value are left out. ``docs/events.md`` lists the
 kinds and their fields (:func:`table` writes it).
 
-Why one module (over 400 lines): the whole contract, every kind's model, reads in one place;
+Why one module: the whole contract, every kind's model, reads in one place;
 each is small, and :func:`table` writes the documentation from them all.
 """
 

@@ -7,7 +7,7 @@ what a fault calls for is :func:`planaria.master.policy.decide`'s to say and
 faults and see the job only through :class:`~planaria.master.control.JobControl`, which this
 class is; :func:`planaria.master.runner.supervise` drives it in time.
 
-Over 400 lines: the handlers and the rounds change one state machine (the job's state and
+Why one module: the handlers and the rounds change one state machine (the job's state and
 its rounds) and read best beside it; what could stand alone already does.
 """
 

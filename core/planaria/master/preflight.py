@@ -12,7 +12,7 @@ nodes are told ``done`` and the master opens the first rendezvous round.
 A node that registers once training runs (a replacement at run time) skips the pre-flight: the
 health checks still gate every round it joins.
 
-Over 400 lines: one session's state machine (gathering, round 1, round 2, newcomers) and the
+Why one module: one session's state machine (gathering, round 1, round 2, newcomers) and the
 events that tell it, which read best together; its judgement is pure and lives apart.
 """
 

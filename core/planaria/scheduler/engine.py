@@ -58,6 +58,10 @@ that starts nodes (launch, replace, adopt, and a poll that starts a waiting node
 called from the thread of the first such call, for as long as the scheduler lives, and a call
 from another raises :class:`~planaria.errors.SchedulerError`, the first thread being alive or
 not. Nothing here is thread-safe, except :meth:`~planaria.scheduler.api.Scheduler.interrupt`.
+
+Why one module: the engine is one idea, the node table and the templates that keep it true;
+split, each template would have to be read beside the table it changes. Half of it is this
+contract and the hooks' docs.
 """
 
 from __future__ import annotations

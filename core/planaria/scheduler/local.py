@@ -25,6 +25,11 @@ have at most ``max_nodes`` nodes (by default 4 per CPU), and as many workers as
 :mod:`planaria.capacity` allows for this machine's CPUs and process table; this is checked when
 the config loads, and the node count again at every launch. A fork storm is refused, not begun.
 
+Why one module: it is one backend of :mod:`planaria.scheduler.engine`, and each part of it
+(the options, placement on virtual hosts, starting a node in its namespace, reaping it through
+a pidfd, adopting a running one by pid and start time) is about one thing, the node as a
+process group of this machine; half of it is the options' and the capacity check's docs.
+
 Network namespaces: with ``netns: [a, b, ...]`` node ``node-i`` (a replacement too: it gets
 the next number) runs in namespace ``netns[i % len]`` through ``ip netns exec``, which needs
 root. With the master in a namespace of its own and the namespaces joined by veth pairs on a
