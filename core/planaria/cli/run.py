@@ -54,7 +54,8 @@ from planaria.master.advertise import Advertised
 from planaria.master.diagnosis import stopped_on_start
 from planaria.master.job import Master
 from planaria.master.journal import JournalError
-from planaria.master.runner import RunHooks, resume_job, run_issues, run_job
+from planaria.master.prepare import run_issues
+from planaria.master.runner import RunHooks, resume_job, run_job
 from planaria.master.state import JobState
 from planaria.master.timeline import (
     FAULT_COLUMNS,
