@@ -7,8 +7,10 @@ what a fault calls for is :func:`planaria.master.policy.decide`'s to say and
 faults and see the job only through :class:`~planaria.master.control.JobControl`, which this
 class is; :func:`planaria.master.runner.supervise` drives it in time.
 
-Over 400 lines: the handlers and the rounds change one state machine (the job's state and
-its rounds) and read best beside it; what could stand alone already does.
+Why one module: the handlers and the rounds change one state machine (the job's state and its
+rounds), and each handler is a few lines on it that read best beside the others; what stands
+alone (the nodes, the policy, recovery, diagnosis, the journal's group commit, restore) is in
+a module of its own already.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from planaria.events import JobEvent, Payload, StopCause
 from planaria.log import get_logger
 from planaria.master import restore
 from planaria.master.checkpoints import Fence, JobCheckpoints
+from planaria.master.commit import GroupCommit
 from planaria.master.diagnosis import Diagnosis
 from planaria.master.fleet import Fleet
 from planaria.master.journal import NAME as JOURNAL_FILE
@@ -145,7 +148,7 @@ class Master:
         self.preflight = Preflight(self, settings.diagnosis.preflight)
         self.fleet.grace = self.spec.master_grace
         self.journal: Journal | None = None
-        self._journal_commit: asyncio.Future[None] | None = None
+        self._group_commit = GroupCommit(self.journal_now)
         self._told_fenced: set[str] = set()
         self.fence = Fence(self.spec.checkpoint)
         self._down: float | None = None
@@ -209,34 +212,20 @@ class Master:
         self.not_written[name] = why
 
     async def journal_committed(self) -> None:
-        """Return once what changed so far is in the journal. The requests answered in one
-        turn of the loop share one write, so thousands of nodes joining at once cost a few
-        transactions (and fsyncs), not one each."""
+        """Return once what changed so far is in the journal: the requests answered in one
+        turn of the loop share one write (:mod:`planaria.master.commit`)."""
         written = self.journal_commit()
         if written is not None:
             # Shielded: a request given up (its client gone) must not cancel the others' write.
             await asyncio.shield(written)
 
     def journal_commit(self) -> asyncio.Future[None] | None:
-        """The journal's next group commit, done once what changed so far is in the journal (see
-        :meth:`journal_committed`); None without a journal. Not to be cancelled: it is shared."""
+        """The journal's next group commit (:mod:`planaria.master.commit`), done once what
+        changed so far is in the journal (see :meth:`journal_committed`); None without a
+        journal. Not to be cancelled: it is shared."""
         if self.journal is None:
             return None
-        if self._journal_commit is None:
-            loop = asyncio.get_running_loop()
-            self._journal_commit = loop.create_future()
-            loop.call_soon(self._commit_journal)
-        return self._journal_commit
-
-    def _commit_journal(self) -> None:
-        done, self._journal_commit = self._journal_commit, None
-        assert done is not None
-        try:
-            self.journal_now()
-        except Exception as exc:
-            done.set_exception(exc)
-        else:
-            done.set_result(None)
+        return self._group_commit.next()
 
     def resume(self, journalled: Journalled) -> None:
         """Take the job over where the master before this one left it. The nodes it had
