@@ -25,7 +25,7 @@ from planaria.agent.worker_logs import LogLimits, LogPump, Source
 from planaria.config import load_raw, read
 from planaria.config.models import LogsSection
 from planaria.errors import ConfigError
-from planaria.master.timeline import tail_of
+from planaria.master.summary import tail_of
 from planaria.protocol import JobSpec
 
 

@@ -57,10 +57,10 @@ from planaria.master.journal import JournalError
 from planaria.master.prepare import run_issues
 from planaria.master.runner import RunHooks, resume_job, run_job
 from planaria.master.state import JobState
-from planaria.master.timeline import (
+from planaria.master.summary import Summary
+from planaria.master.tables import (
     FAULT_COLUMNS,
     STRAGGLER_COLUMNS,
-    Summary,
     fault_rows,
     straggler_rows,
     summary_rows,

@@ -51,7 +51,8 @@ from planaria.master.state import (
     UnknownNode,
     Wake,
 )
-from planaria.master.timeline import FailedRank, Fault, Summary, Timeline, last_steps
+from planaria.master.summary import FailedRank, Fault, Summary
+from planaria.master.timeline import Timeline, last_steps
 from planaria.protocol import (
     Action,
     CheckpointEvent,

@@ -12,7 +12,7 @@ nodes are told ``done`` and the master opens the first rendezvous round.
 A node that registers once training runs (a replacement at run time) skips the pre-flight: the
 health checks still gate every round it joins.
 
-Over 400 lines: one session's state machine (gathering, round 1, round 2, newcomers) and the
+Why one module: one session's state machine (gathering, round 1, round 2, newcomers) and the
 events that tell it, which read best together; its judgement is pure and lives apart.
 """
 
@@ -48,7 +48,7 @@ from planaria.log import get_logger
 from planaria.master.control import JobControl
 from planaria.master.policy import Decision, FaultType, Source
 from planaria.master.state import Conflict, Node, NodePhase
-from planaria.master.timeline import Fault
+from planaria.master.summary import Fault
 
 log = get_logger("master.preflight")
 

@@ -54,7 +54,7 @@ from planaria.master.journal import (
 from planaria.master.prepare import job_settings, job_spec, make_run_dir
 from planaria.master.server import ServerLimits, make_app, serve
 from planaria.master.state import JobState
-from planaria.master.timeline import SUMMARY_FILE, Summary, write_summary
+from planaria.master.summary import SUMMARY_FILE, Summary, write_summary
 from planaria.master.tls import job_certificate, server_context
 from planaria.master.transport import transport
 from planaria.master.trust import check_private
