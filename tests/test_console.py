@@ -23,7 +23,7 @@ from test_run import mark, run  # noqa: F401  (mark is a fixture)
 from planaria.agent.console import ConsoleBuffer, batches, console_streams, prefix
 from planaria.agent.worker_logs import LogLimits, LogPump, Source
 from planaria.config import load_raw, read
-from planaria.config.models import LogsSection
+from planaria.config.job import LogsSection
 from planaria.errors import ConfigError
 from planaria.master.summary import tail_of
 from planaria.protocol import JobSpec

@@ -28,7 +28,7 @@ from typer.core import TyperCommand
 
 from planaria.agent.program import is_python
 from planaria.config import RawConfig
-from planaria.config.models import MAX_PROCS_PER_NODE, JobSection, LogsSection, NodeRange
+from planaria.config.job import MAX_PROCS_PER_NODE, JobSection, LogsSection, NodeRange
 
 CONFIG_SUFFIXES = (".yaml", ".yml", ".toml")
 """A first word ending so is the job file, not a training script."""
