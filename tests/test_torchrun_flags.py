@@ -16,7 +16,8 @@ import typer.main
 from test_run import EXAMPLE, events, mark, run  # noqa: F401 - mark is a fixture
 
 from planaria.cli.entry import app
-from planaria.cli.launch import META_LITERAL, LaunchError, TorchrunFlags, training_command
+from planaria.cli.launch import LaunchError, TorchrunFlags, training_command
+from planaria.cli.line import META_LITERAL
 from planaria.config import read
 
 RUN = typer.main.get_command(app).commands["run"]  # type: ignore[attr-defined]

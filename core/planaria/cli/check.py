@@ -48,7 +48,7 @@ PreflightOption = Annotated[
 def _preflight(resolved: ResolvedConfig, manager: PluginManager, json: bool) -> None:
     import asyncio
 
-    from planaria.cli.run import HOOKS, print_preflight
+    from planaria.cli.follow import HOOKS, print_preflight
     from planaria.master.prepare import preflight_issues, scheduler_issues
     from planaria.master.runner import run_job
 
