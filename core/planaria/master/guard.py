@@ -89,8 +89,8 @@ class Guard(asyncio.Protocol):
         self.framer = wire.Framer()
         """Where aiohttp's parser stands in what it was given of this connection."""
         self.serving = False
-        """A hot request is being served; what comes meanwhile waits in :attr:`held`."""
-        self.held = b""
+        """A hot request is being served; what comes meanwhile waits in :attr:`queued`."""
+        self.queued = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -134,9 +134,9 @@ class Guard(asyncio.Protocol):
         if self.transport is None:
             return
         if self.serving:  # pipelined behind a hot request: in order, after it
-            if not self.held:
+            if not self.queued:
                 self.transport.pause_reading()
-            self.held += data
+            self.queued += data
             return
         hot = self.book.hot
         if hot is not None and self.framer.between and hot.take(self, data):
@@ -166,10 +166,10 @@ class Guard(asyncio.Protocol):
             transport.close()
             return
         transport.write(answer)
-        if self.held:
-            held, self.held = self.held, b""
+        if self.queued:
+            queued, self.queued = self.queued, b""
             transport.resume_reading()
-            self.data_received(held)
+            self.data_received(queued)
 
     def eof_received(self) -> bool | None:
         if self.transport is not None:

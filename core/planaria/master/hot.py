@@ -22,7 +22,7 @@ from planaria.master.body import parse
 from planaria.master.guard import Guard, ServerLimits
 from planaria.master.responses import BadRequest, refusal
 from planaria.master.routes import Context, Route
-from planaria.master.state import Held
+from planaria.master.state import Deferred
 
 log = get_logger("master")
 
@@ -107,25 +107,25 @@ class Hot:
     def _serve(self, guard: Guard, route: Route, body: BaseModel) -> None:
         try:
             reply = route.call(self.context, body)
-            if inspect.isawaitable(reply) and not isinstance(reply, Held):
+            if inspect.isawaitable(reply) and not isinstance(reply, Deferred):
                 task = asyncio.ensure_future(reply)
-                reply = Held(task, task.result)
+                reply = Deferred(task, task.result)
         except Exception as exc:
             self._answer(guard, route, exc)
             return
-        if isinstance(reply, Held):
-            held = reply
-            held.waiting.add_done_callback(lambda _: self._answer(guard, route, held))
+        if isinstance(reply, Deferred):
+            deferred = reply
+            deferred.waiting.add_done_callback(lambda _: self._answer(guard, route, deferred))
         else:
             self._answer(guard, route, reply)
 
     def _answer(
-        self, guard: Guard, route: Route, reply: BaseModel | Held[BaseModel] | Exception
+        self, guard: Guard, route: Route, reply: BaseModel | Deferred[BaseModel] | Exception
     ) -> None:
         try:
             if isinstance(reply, Exception):
                 raise reply
-            if isinstance(reply, Held):
+            if isinstance(reply, Deferred):
                 reply = reply.then()
             if not isinstance(reply, route.reply):
                 raise TypeError(

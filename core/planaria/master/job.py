@@ -40,8 +40,8 @@ from planaria.master.recovery import Recovery
 from planaria.master.rounds import Rounds
 from planaria.master.state import (
     BadReport,
+    Deferred,
     FencedRequest,
-    Held,
     JobSettings,
     JobState,
     Node,
@@ -448,7 +448,7 @@ class Master:
         self.fleet.register(request)
         return self.spec
 
-    def join(self, request: JoinRequest, wait: float = 5.0) -> JoinReply | Held[JoinReply]:
+    def join(self, request: JoinRequest, wait: float = 5.0) -> JoinReply | Deferred[JoinReply]:
         """A node joins the forming round: ``ready`` with its rank once the round closes,
         held at most ``wait`` seconds (then ``wait``: ask again)."""
         node = self.heard_from(request.node_id)
@@ -464,7 +464,7 @@ class Master:
         if self.rounds.closed:
             node.phase = NodePhase.STANDBY
             standing = JoinReply(state="wait", reason="the running world is full; standing by")
-            return Held(_later(min(wait, 1.0)), lambda: standing)
+            return Deferred(_later(min(wait, 1.0)), lambda: standing)
         self.rounds.join(request.node_id, request.addr, request.port, time.time())
         node.phase = NodePhase.JOINED
         self._maybe_close()
@@ -472,7 +472,7 @@ class Master:
         waiting = settled.waiter(wait)
         if waiting is None:
             return self._joined(node, round_now, settled)
-        return Held(waiting, lambda: self._joined(node, round_now, settled))
+        return Deferred(waiting, lambda: self._joined(node, round_now, settled))
 
     def _joined(self, node: Node, round_now: int, settled: Wake) -> JoinReply:
         node.last_seen = time.monotonic()  # its agent held the request open all along
@@ -500,7 +500,7 @@ class Master:
             ),
         )
 
-    def heartbeat(self, beat: Heartbeat, hold: float) -> Action | Held[Action]:
+    def heartbeat(self, beat: Heartbeat, hold: float) -> Action | Deferred[Action]:
         """Take a node's heartbeat: its answer, or (a long poll) the answer held until an
         action is due to the node, at most ``hold`` seconds."""
         node = self.heard_from(beat.node_id)
@@ -517,10 +517,10 @@ class Master:
             node.polled_round = beat.round
             if len(self.rounds.world) >= SPREAD_NODES:
                 hold *= random.random()
-        waiting = self.fleet.hold(node, hold, stopping=self.state.terminal)
+        waiting = self.fleet.wait_for_action(node, hold, stopping=self.state.terminal)
         if waiting is None:
             return self._next_action(node)
-        return Held(waiting, lambda: self._next_action(node))
+        return Deferred(waiting, lambda: self._next_action(node))
 
     def _next_action(self, node: Node) -> Action:
         action = self.fleet.next_action(node)

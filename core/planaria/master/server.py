@@ -31,7 +31,7 @@ from planaria.master.job import Master
 from planaria.master.metrics import JobMetrics
 from planaria.master.responses import BadRequest, error, json_response, refusal
 from planaria.master.routes import JSON, ROUTES, Context, Route
-from planaria.master.state import Held
+from planaria.master.state import Deferred
 
 __all__ = ["BOOK", "LIMITS", "BadRequest", "ServerLimits", "make_app", "serve"]
 
@@ -44,7 +44,7 @@ def _handler(route: Route, context: Context) -> Handler:
     async def handle(request: web.Request) -> web.StreamResponse:
         body = None if route.request is None else await read_body(request, route.request)
         reply = route.call(context, body)
-        if isinstance(reply, Held):
+        if isinstance(reply, Deferred):
             await reply.waiting
             reply = reply.then()
         elif inspect.isawaitable(reply):
