@@ -112,6 +112,7 @@ def _qos_class(spec: Obj) -> str:
     return "Guaranteed" if guaranteed else "Burstable"
 
 
+@dataclass
 class Change:
     """One change of one object, as kept in the history and sent to the watches."""
 
