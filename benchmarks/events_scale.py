@@ -36,7 +36,7 @@ from planaria import events, status
 from planaria.events import JobEvent
 from planaria.master.journal import Journal
 from planaria.master.state import Node
-from planaria.master.timeline import Fault, Summary, write_summary
+from planaria.master.summary import Fault, Summary, write_summary
 
 JOB = "bench"
 SAMPLE_EVERY = 5.0

@@ -60,7 +60,9 @@ def interrupted(signum: int, frame: object) -> None:
 
 
 @dataclass
-class Trial:
+class TrialResult:
+    """What one recovery trial came to: whether it recovered, how fast, what it lost."""
+
     ok: bool
     mttr: float | None = None
     steps_lost: int | None = None
@@ -83,13 +85,13 @@ def chaos(args: argparse.Namespace) -> str:
     return json.dumps([{"kind": "kill_worker", "rank": 1, "at_step": args.kill_at}])
 
 
-def measure(rank0: str, killed: str, kill_at: int, ok: bool, wall: float, note: str) -> Trial:
+def measure(rank0: str, killed: str, kill_at: int, ok: bool, wall: float, note: str) -> TrialResult:
     """A worker kill's trial from the logs: MTTR from the kill (the time the killed worker
     logged just before its SIGKILL) to rank 0's first step after it resumed; steps lost: those
     done before the kill (``kill_at``) that were done again."""
     kill = KILL.search(killed)
     if not ok or kill is None:
-        return Trial(False, wall=wall, note=note or "no kill seen")
+        return TrialResult(False, wall=wall, note=note or "no kill seen")
     kill_time = float(kill["t"])
     resumed_at: int | None = None
     for line in rank0.splitlines():
@@ -98,15 +100,17 @@ def measure(rank0: str, killed: str, kill_at: int, ok: bool, wall: float, note: 
             resumed_at = int(m["step"])
         elif (m := STEP.match(line)) and resumed_at is not None and float(m["t"]) > kill_time:
             first = int(m["step"])
-            return Trial(True, float(m["t"]) - kill_time, max(0, kill_at - first + 1), wall)
-    return Trial(False, wall=wall, note="no step after the restart")
+            return TrialResult(True, float(m["t"]) - kill_time, max(0, kill_at - first + 1), wall)
+    return TrialResult(False, wall=wall, note="no step after the restart")
 
 
-def measure_fault(rank0: str, struck: float | None, ok: bool, wall: float, note: str) -> Trial:
+def measure_fault(
+    rank0: str, struck: float | None, ok: bool, wall: float, note: str
+) -> TrialResult:
     """A fault struck from outside the job at ``struck``: MTTR from then to rank 0's first step
     after it resumed; steps lost: the steps rank 0 had done by then that it did again."""
     if struck is None:
-        return Trial(False, wall=wall, note=note or "the fault never struck")
+        return TrialResult(False, wall=wall, note=note or "the fault never struck")
     before = [
         int(m["step"])
         for line in rank0.splitlines()
@@ -120,8 +124,8 @@ def measure_fault(rank0: str, struck: float | None, ok: bool, wall: float, note:
             resumed = True
         elif (m := STEP.match(line)) and resumed and float(m["t"]) > struck:
             first = int(m["step"])
-            return Trial(True, float(m["t"]) - struck, max(0, done - first + 1), wall)
-    return Trial(False, wall=wall, note=note or "no step after the fault")
+            return TrialResult(True, float(m["t"]) - struck, max(0, done - first + 1), wall)
+    return TrialResult(False, wall=wall, note=note or "no step after the fault")
 
 
 def last_step(text: str) -> int:
@@ -264,11 +268,11 @@ def kill_marked(wanted: set[bytes]) -> bool:
 
 
 def interleave(
-    count: int, runners: dict[str, Callable[[Path], Trial]], sweeper: leftovers.Sweeper
-) -> dict[str, list[Trial]]:
+    count: int, runners: dict[str, Callable[[Path], TrialResult]], sweeper: leftovers.Sweeper
+) -> dict[str, list[TrialResult]]:
     """``count`` trials of each runner, interleaved (machine drift hits all alike), each in a
     work directory of its own and swept after it; each printed as it ends."""
-    trials: dict[str, list[Trial]] = {name: [] for name in runners}
+    trials: dict[str, list[TrialResult]] = {name: [] for name in runners}
     width = max(len(name) for name in runners) + 2
     for trial in range(count):
         for name, runner in runners.items():
@@ -288,7 +292,7 @@ def interleave(
     return trials
 
 
-def summarise(name: str, trials: list[Trial]) -> dict[str, object]:
+def summarise(name: str, trials: list[TrialResult]) -> dict[str, object]:
     """Print a runner's median MTTR, failures and steps lost, and every trial's figure; returns
     the figures (``mttr`` None when no trial succeeded)."""
     good = [t for t in trials if t.ok and t.mttr is not None]

@@ -54,7 +54,7 @@ if not __package__:  # run as ``python benchmarks/recovery.py``: import through 
 from benchmarks.harness import (
     EXAMPLE,
     STEP,
-    Trial,
+    TrialResult,
     chaos,
     exit_on_sigterm,
     interleave,
@@ -68,7 +68,7 @@ from benchmarks.harness import (
 from planaria import leftovers
 
 
-def run_planaria(args: argparse.Namespace, work: Path) -> Trial:
+def run_planaria(args: argparse.Namespace, work: Path) -> TrialResult:
     config = work / "job.yaml"
     command = [sys.executable, *train_args(args, work / "ckpt")]
     config.write_text(
@@ -96,13 +96,13 @@ def run_planaria(args: argparse.Namespace, work: Path) -> Trial:
     wall = time.time() - started
     logs = next(work.glob("planaria-runs/*/logs"), None)
     if logs is None:
-        return Trial(False, wall=wall, note="no run directory")
+        return TrialResult(False, wall=wall, note="no run directory")
     rank0 = (logs / "rank-0.log").read_text(errors="replace")
     killed = (logs / "rank-1.log").read_text(errors="replace")
     return measure(rank0, killed, args.kill_at, ok, wall, note)
 
 
-def run_torchrun(args: argparse.Namespace, work: Path, workaround: bool) -> Trial:
+def run_torchrun(args: argparse.Namespace, work: Path, workaround: bool) -> TrialResult:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PLANARIA_CHAOS": chaos(args)}
     env.pop("PLANARIA_PROGRESS_FILE", None)
     if workaround:
@@ -252,7 +252,7 @@ def main() -> None:
 
 def compare(args: argparse.Namespace, sweeper: leftovers.Sweeper) -> None:
     """The trials, the overhead and the report."""
-    runners: dict[str, Callable[[Path], Trial]] = {
+    runners: dict[str, Callable[[Path], TrialResult]] = {
         "planaria run": lambda work: run_planaria(args, work),
         "torchrun (defaults)": lambda work: run_torchrun(args, work, workaround=False),
         "torchrun (workaround)": lambda work: run_torchrun(args, work, workaround=True),

@@ -43,7 +43,7 @@ if not __package__:  # loaded by its path, not as benchmarks.NAME: import throug
 from benchmarks.harness import (
     EXAMPLE,
     RESUMED,
-    Trial,
+    TrialResult,
     interleave,
     measure,
     ratio,
@@ -92,7 +92,7 @@ def chaos_rule(args: argparse.Namespace) -> dict[str, object]:
     return {"kind": "kill_worker", "rank": args.procs - 1, "at_step": args.kill_at}
 
 
-def run_planaria(args: argparse.Namespace, work: Path, kill: str | None) -> Trial:
+def run_planaria(args: argparse.Namespace, work: Path, kill: str | None) -> TrialResult:
     """``kill``: "during" a save, "between" saves, or None (the fault-free reference)."""
     config = work / "job.yaml"
     config.write_text(
@@ -122,15 +122,15 @@ def run_planaria(args: argparse.Namespace, work: Path, kill: str | None) -> Tria
     wall = time.time() - started
     logs = next(work.glob("planaria-runs/*/logs"), None)
     if logs is None:
-        return Trial(False, wall=wall, note="no run directory")
+        return TrialResult(False, wall=wall, note="no run directory")
     if kill is None:
-        return Trial(ok, wall=wall, note=note)
+        return TrialResult(ok, wall=wall, note=note)
     rank0 = (logs / "rank-0.log").read_text(errors="replace")
     killed = (logs / f"rank-{args.procs - 1}.log").read_text(errors="replace")
     return judged(args, rank0, killed, ok, wall, note, kill)
 
 
-def run_torchrun(args: argparse.Namespace, work: Path, kill: str) -> Trial:
+def run_torchrun(args: argparse.Namespace, work: Path, kill: str) -> TrialResult:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     env.pop("PLANARIA_PROGRESS_FILE", None)
     if kill == "between":
@@ -147,7 +147,7 @@ def run_torchrun(args: argparse.Namespace, work: Path, kill: str) -> Trial:
 
 def judged(
     args: argparse.Namespace, rank0: str, killed: str, ok: bool, wall: float, note: str, kill: str
-) -> Trial:
+) -> TrialResult:
     """MTTR and the completed saves not restored. A kill during the save of step N finds N-1
     as the newest completed save; one that finds N restored came after the save completed."""
     saved = args.kill_at - 1 if kill == "during" else args.kill_at
@@ -187,8 +187,8 @@ def compare(args: argparse.Namespace, sweeper: leftovers.Sweeper, keep: Path) ->
     )
     finals: list[Path] = []
 
-    def planaria(kill: str | None) -> Callable[[Path], Trial]:
-        def run(work: Path) -> Trial:
+    def planaria(kill: str | None) -> Callable[[Path], TrialResult]:
+        def run(work: Path) -> TrialResult:
             trial = run_planaria(args, work, kill)
             final = work / "final.pt"
             if final.is_file():  # kept past the work directory, for the bitwise check
@@ -208,7 +208,7 @@ def compare(args: argparse.Namespace, sweeper: leftovers.Sweeper, keep: Path) ->
     if not reference.ok or not finals:
         raise SystemExit(f"the fault-free reference run failed: {reference.note}")
     print(f"reference run, no kill: done (wall {reference.wall:.1f}s)", flush=True)
-    runners: dict[str, Callable[[Path], Trial]] = {
+    runners: dict[str, Callable[[Path], TrialResult]] = {
         "planaria run (kill during a save)": planaria("during"),
         "torchrun (kill during a save)": lambda work: run_torchrun(args, work, "during"),
         "planaria run (kill between saves)": planaria("between"),

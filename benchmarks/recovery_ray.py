@@ -37,7 +37,7 @@ if not __package__:  # loaded by its path, not as benchmarks.NAME: import throug
 
 from benchmarks.harness import (
     KILL,
-    Trial,
+    TrialResult,
     chaos,
     fault_table,
     interleave,
@@ -58,7 +58,7 @@ from planaria_ray.testing import AGENT, LocalCluster
 
 def run(
     args: argparse.Namespace, work: Path, cluster: LocalCluster | None, node_loss: bool
-) -> Trial:
+) -> TrialResult:
     """One ``planaria run``: on the Ray cluster, or (``cluster`` None) the local scheduler."""
     config: dict[str, object] = {
         "job": {
@@ -133,9 +133,9 @@ def main(args: argparse.Namespace) -> None:
 
 def compare(
     args: argparse.Namespace, cluster: LocalCluster, sweeper: leftovers.Sweeper
-) -> dict[str, list[Trial]]:
+) -> dict[str, list[TrialResult]]:
     """The trials, interleaved."""
-    runners: dict[str, Callable[[Path], Trial]] = {
+    runners: dict[str, Callable[[Path], TrialResult]] = {
         "kill: ray": lambda w: run(args, w, cluster, node_loss=False),
         "kill: local": lambda w: run(args, w, None, node_loss=False),
         "node: ray": lambda w: run(args, w, cluster, node_loss=True),
@@ -145,7 +145,7 @@ def compare(
 
 
 def report(
-    args: argparse.Namespace, trials: dict[str, list[Trial]], sweeper: leftovers.Sweeper
+    args: argparse.Namespace, trials: dict[str, list[TrialResult]], sweeper: leftovers.Sweeper
 ) -> None:
     figures = {name: summarise(name, found) for name, found in trials.items()}
     print()

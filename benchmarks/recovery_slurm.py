@@ -46,7 +46,7 @@ if not __package__:  # loaded by its path, not as benchmarks.NAME: import throug
 from benchmarks.harness import (
     KILL,
     ROOT,
-    Trial,
+    TrialResult,
     chaos,
     environ_of,
     fault_table,
@@ -146,7 +146,7 @@ def allocation(work: Path) -> Iterator[str]:
             time.sleep(0.2)
 
 
-def run_planaria(args: argparse.Namespace, work: Path, node_loss: bool) -> Trial:
+def run_planaria(args: argparse.Namespace, work: Path, node_loss: bool) -> TrialResult:
     with allocation(work) as job_id:
         config: dict[str, object] = {
             "job": {
@@ -248,7 +248,9 @@ def _shm_of(pid: str) -> set[Path]:
     }
 
 
-def run_torchrun(args: argparse.Namespace, work: Path, workaround: bool, node_loss: bool) -> Trial:
+def run_torchrun(
+    args: argparse.Namespace, work: Path, workaround: bool, node_loss: bool
+) -> TrialResult:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("PLANARIA_PROGRESS_FILE", None)
     if not node_loss:
@@ -289,7 +291,7 @@ def run_torchrun(args: argparse.Namespace, work: Path, workaround: bool, node_lo
 
 
 def main(args: argparse.Namespace) -> None:
-    runners: dict[str, Callable[[Path], Trial]] = {
+    runners: dict[str, Callable[[Path], TrialResult]] = {
         "kill: planaria run": lambda w: run_planaria(args, w, node_loss=False),
         "kill: torchrun (defaults)": lambda w: run_torchrun(args, w, False, node_loss=False),
         "kill: torchrun (workaround)": lambda w: run_torchrun(args, w, True, node_loss=False),
@@ -303,7 +305,7 @@ def main(args: argparse.Namespace) -> None:
 
 def compare(
     args: argparse.Namespace,
-    runners: dict[str, Callable[[Path], Trial]],
+    runners: dict[str, Callable[[Path], TrialResult]],
     sweeper: leftovers.Sweeper,
 ) -> None:
     """The trials on the cluster and the report."""

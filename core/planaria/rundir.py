@@ -23,7 +23,7 @@ from planaria import log
 from planaria.errors import PlanariaError
 from planaria.events import EventKind, JobEvent
 from planaria.master.journal import NAME as JOURNAL_FILE
-from planaria.master.timeline import Summary, read_summary
+from planaria.master.summary import Summary, read_summary
 
 EVENTS_FILE = "events.jsonl"
 _log = log.get_logger("rundir")

@@ -26,9 +26,9 @@ from pydantic import ValidationError
 from planaria import rundir
 from planaria.errors import PlanariaError
 from planaria.events import JobEvent
+from planaria.master.claim import TOKEN_FILE
 from planaria.master.journal import NAME as JOURNAL_FILE
 from planaria.master.journal import Journal, JournalError, Journalled, damaged, ended_mark
-from planaria.master.runner import TOKEN_FILE
 from planaria.master.state import JobState
 from planaria.master.tls import (
     CERT_NAME,

@@ -19,9 +19,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from planaria.agent.client import MasterClient
+from planaria.master.body import may_overflow
 from planaria.master.job import Master
 from planaria.master.runner import supervise
-from planaria.master.server import BOOK, ServerLimits, _may_overflow, make_app, serve
+from planaria.master.server import BOOK, ServerLimits, make_app, serve
 from planaria.master.state import NodePhase
 from planaria.master.tls import job_certificate, server_context
 from planaria.master.wire import Framer, whole_request
@@ -517,6 +518,6 @@ def test_a_journal_that_fails_gets_no_heartbeat_an_ok(tmp_path):
 def test_the_overflow_check_finds_what_its_pattern_does(raw):
     """A body is walked for numbers out of range exactly when one may be in it."""
     pattern = re.compile(rb"[0-9.][eE][+-]?[0-9]{3}|[0-9]{200}")
-    assert _may_overflow(raw) == (pattern.search(raw) is not None)
-    assert _may_overflow(b"1" * 200) and _may_overflow(b'{"a": 1.5e308}')
-    assert not _may_overflow(b'{"name": "e308"}')
+    assert may_overflow(raw) == (pattern.search(raw) is not None)
+    assert may_overflow(b"1" * 200) and may_overflow(b'{"a": 1.5e308}')
+    assert not may_overflow(b'{"name": "e308"}')

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from planaria import rundir
+from planaria.cli.follow import print_summary
 from planaria.cli.output import out
-from planaria.cli.run import print_summary
-from planaria.master.timeline import FIRST_FAULTS, LAST_FAULTS, fault_rows, read_summary
+from planaria.master.summary import read_summary
+from planaria.master.tables import FIRST_FAULTS, LAST_FAULTS, fault_rows
 from planaria.report.course import FIRST_EVENTS, INCIDENTS, LAST_EVENTS, POINTS, ROUNDS, course
 
 ROOT = Path(__file__).resolve().parents[2]

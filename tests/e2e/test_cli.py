@@ -162,7 +162,7 @@ def test_json_logs(cli, tmp_path):
 
 
 def test_an_all_pass_preflight_is_one_line_not_an_empty_table(capsys):
-    from planaria.cli.run import print_preflight
+    from planaria.cli.follow import print_preflight
     from planaria.master.preflight import PreflightReport
 
     report = PreflightReport(

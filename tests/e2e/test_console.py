@@ -22,9 +22,9 @@ from pydantic import ValidationError
 from planaria.agent.console import ConsoleBuffer, batches, console_streams, prefix
 from planaria.agent.worker_logs import LogLimits, LogPump, Source
 from planaria.config import load_raw, read
-from planaria.config.models import LogsSection
+from planaria.config.job import LogsSection
 from planaria.errors import ConfigError
-from planaria.master.timeline import tail_of
+from planaria.master.summary import tail_of
 from planaria.protocol import JobSpec
 from planaria.testing.jobs import run
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from planaria.master.timeline import fault_rows, read_summary
+from planaria.master.summary import read_summary
+from planaria.master.tables import fault_rows
 from planaria.process import running
 
 torch = pytest.importorskip("torch")

@@ -15,7 +15,8 @@ import typer
 import typer.main
 
 from planaria.cli.entry import app
-from planaria.cli.launch import META_LITERAL, LaunchError, TorchrunFlags, training_command
+from planaria.cli.launch import LaunchError, TorchrunFlags, training_command
+from planaria.cli.line import META_LITERAL
 from planaria.config import read
 from planaria.testing.jobs import EXAMPLE, events, run
 

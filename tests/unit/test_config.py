@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from planaria.config import load
+from planaria.config.job import NodeRange
 from planaria.config.loader import parse_text
-from planaria.config.models import NodeRange
 from planaria.config.schema import config_schema
 from planaria.durations import format_duration, parse_duration
 from planaria.errors import ConfigError

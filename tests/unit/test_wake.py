@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from planaria.master.state import Held, Wake
+from planaria.master.state import Deferred, Wake
 
 
 def test_a_wait_ends_when_set_or_after_its_timeout() -> None:
@@ -67,15 +67,15 @@ def test_waiters_that_ended_do_not_pile_up() -> None:
     asyncio.run(main())
 
 
-def test_held_maps_its_answer_once_the_wait_is_done() -> None:
+def test_a_deferred_answer_maps_once_the_wait_is_done() -> None:
     async def main() -> None:
         wake = Wake()
         waiting = wake.waiter(30)
         assert waiting is not None
-        held = Held(waiting, lambda: 20).map(lambda n: n + 1)
-        assert held.waiting is waiting
+        deferred = Deferred(waiting, lambda: 20).map(lambda n: n + 1)
+        assert deferred.waiting is waiting
         wake.set()
-        await held.waiting
-        assert held.then() == 21
+        await deferred.waiting
+        assert deferred.then() == 21
 
     asyncio.run(main())

@@ -48,8 +48,9 @@ PreflightOption = Annotated[
 def _preflight(resolved: ResolvedConfig, manager: PluginManager, json: bool) -> None:
     import asyncio
 
-    from planaria.cli.run import HOOKS, print_preflight
-    from planaria.master.runner import preflight_issues, run_job, scheduler_issues
+    from planaria.cli.follow import HOOKS, print_preflight
+    from planaria.master.prepare import preflight_issues, scheduler_issues
+    from planaria.master.runner import run_job
 
     issues = preflight_issues(resolved, asked=True) + scheduler_issues(resolved)
     if issues:

@@ -13,7 +13,7 @@ from typing import Protocol
 from planaria.events import JobEvent, Payload, StopCause
 from planaria.master.policy import Decision, FaultType, Source
 from planaria.master.state import JobSettings, Node
-from planaria.master.timeline import Fault
+from planaria.master.summary import Fault
 from planaria.protocol import RendezvousInfo
 
 

@@ -22,7 +22,7 @@ from planaria.log import get_logger
 from planaria.master.control import JobControl
 from planaria.master.policy import CANNOT_START, Crash, Decision, FaultType, Source
 from planaria.master.state import Node
-from planaria.master.timeline import FailedRank, Fault, Summary, tail_of
+from planaria.master.summary import FailedRank, Fault, Summary, tail_of
 from planaria.protocol import ChaosReport, Heartbeat, WorkerFailure, WorkersReport
 
 log = get_logger("master.diagnosis")

@@ -263,7 +263,9 @@ class Fleet:
 
     # -- heartbeats ---------------------------------------------------------------------------
 
-    def hold(self, node: Node, hold: float, *, stopping: bool) -> asyncio.Future[None] | None:
+    def wait_for_action(
+        self, node: Node, hold: float, *, stopping: bool
+    ) -> asyncio.Future[None] | None:
         """What a node's long poll waits for: an action for it, at most ``hold`` seconds; None
         when there is one already (or the job is stopping). :meth:`next_action` takes it."""
         if node.action is not None or stopping:

@@ -7,8 +7,10 @@ what a fault calls for is :func:`planaria.master.policy.decide`'s to say and
 faults and see the job only through :class:`~planaria.master.control.JobControl`, which this
 class is; :func:`planaria.master.runner.supervise` drives it in time.
 
-Why one module: the handlers and the rounds change one state machine (the job's state and
-its rounds) and read best beside it; what could stand alone already does.
+Why one module: the handlers and the rounds change one state machine (the job's state and its
+rounds), and each handler is a few lines on it that read best beside the others; what stands
+alone (the nodes, the policy, recovery, diagnosis, the journal's group commit, restore) is in
+a module of its own already.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from planaria.events import JobEvent, Payload, StopCause
 from planaria.log import get_logger
 from planaria.master import restore
 from planaria.master.checkpoints import Fence, JobCheckpoints
+from planaria.master.commit import GroupCommit
 from planaria.master.diagnosis import Diagnosis
 from planaria.master.fleet import Fleet
 from planaria.master.journal import NAME as JOURNAL_FILE
@@ -37,8 +40,8 @@ from planaria.master.recovery import Recovery
 from planaria.master.rounds import Rounds
 from planaria.master.state import (
     BadReport,
+    Deferred,
     FencedRequest,
-    Held,
     JobSettings,
     JobState,
     Node,
@@ -48,7 +51,8 @@ from planaria.master.state import (
     UnknownNode,
     Wake,
 )
-from planaria.master.timeline import FailedRank, Fault, Summary, Timeline, last_steps
+from planaria.master.summary import FailedRank, Fault, Summary
+from planaria.master.timeline import Timeline, last_steps
 from planaria.protocol import (
     Action,
     CheckpointEvent,
@@ -145,7 +149,7 @@ class Master:
         self.preflight = Preflight(self, settings.diagnosis.preflight)
         self.fleet.grace = self.spec.master_grace
         self.journal: Journal | None = None
-        self._journal_commit: asyncio.Future[None] | None = None
+        self._group_commit = GroupCommit(self.journal_now)
         self._told_fenced: set[str] = set()
         self.fence = Fence(self.spec.checkpoint)
         self._down: float | None = None
@@ -209,34 +213,20 @@ class Master:
         self.not_written[name] = why
 
     async def journal_committed(self) -> None:
-        """Return once what changed so far is in the journal. The requests answered in one
-        turn of the loop share one write, so thousands of nodes joining at once cost a few
-        transactions (and fsyncs), not one each."""
+        """Return once what changed so far is in the journal: the requests answered in one
+        turn of the loop share one write (:mod:`planaria.master.commit`)."""
         written = self.journal_commit()
         if written is not None:
             # Shielded: a request given up (its client gone) must not cancel the others' write.
             await asyncio.shield(written)
 
     def journal_commit(self) -> asyncio.Future[None] | None:
-        """The journal's next group commit, done once what changed so far is in the journal (see
-        :meth:`journal_committed`); None without a journal. Not to be cancelled: it is shared."""
+        """The journal's next group commit (:mod:`planaria.master.commit`), done once what
+        changed so far is in the journal (see :meth:`journal_committed`); None without a
+        journal. Not to be cancelled: it is shared."""
         if self.journal is None:
             return None
-        if self._journal_commit is None:
-            loop = asyncio.get_running_loop()
-            self._journal_commit = loop.create_future()
-            loop.call_soon(self._commit_journal)
-        return self._journal_commit
-
-    def _commit_journal(self) -> None:
-        done, self._journal_commit = self._journal_commit, None
-        assert done is not None
-        try:
-            self.journal_now()
-        except Exception as exc:
-            done.set_exception(exc)
-        else:
-            done.set_result(None)
+        return self._group_commit.next()
 
     def resume(self, journalled: Journalled) -> None:
         """Take the job over where the master before this one left it. The nodes it had
@@ -458,7 +448,7 @@ class Master:
         self.fleet.register(request)
         return self.spec
 
-    def join(self, request: JoinRequest, wait: float = 5.0) -> JoinReply | Held[JoinReply]:
+    def join(self, request: JoinRequest, wait: float = 5.0) -> JoinReply | Deferred[JoinReply]:
         """A node joins the forming round: ``ready`` with its rank once the round closes,
         held at most ``wait`` seconds (then ``wait``: ask again)."""
         node = self.heard_from(request.node_id)
@@ -474,7 +464,7 @@ class Master:
         if self.rounds.closed:
             node.phase = NodePhase.STANDBY
             standing = JoinReply(state="wait", reason="the running world is full; standing by")
-            return Held(_later(min(wait, 1.0)), lambda: standing)
+            return Deferred(_later(min(wait, 1.0)), lambda: standing)
         self.rounds.join(request.node_id, request.addr, request.port, time.time())
         node.phase = NodePhase.JOINED
         self._maybe_close()
@@ -482,7 +472,7 @@ class Master:
         waiting = settled.waiter(wait)
         if waiting is None:
             return self._joined(node, round_now, settled)
-        return Held(waiting, lambda: self._joined(node, round_now, settled))
+        return Deferred(waiting, lambda: self._joined(node, round_now, settled))
 
     def _joined(self, node: Node, round_now: int, settled: Wake) -> JoinReply:
         node.last_seen = time.monotonic()  # its agent held the request open all along
@@ -510,7 +500,7 @@ class Master:
             ),
         )
 
-    def heartbeat(self, beat: Heartbeat, hold: float) -> Action | Held[Action]:
+    def heartbeat(self, beat: Heartbeat, hold: float) -> Action | Deferred[Action]:
         """Take a node's heartbeat: its answer, or (a long poll) the answer held until an
         action is due to the node, at most ``hold`` seconds."""
         node = self.heard_from(beat.node_id)
@@ -527,10 +517,10 @@ class Master:
             node.polled_round = beat.round
             if len(self.rounds.world) >= SPREAD_NODES:
                 hold *= random.random()
-        waiting = self.fleet.hold(node, hold, stopping=self.state.terminal)
+        waiting = self.fleet.wait_for_action(node, hold, stopping=self.state.terminal)
         if waiting is None:
             return self._next_action(node)
-        return Held(waiting, lambda: self._next_action(node))
+        return Deferred(waiting, lambda: self._next_action(node))
 
     def _next_action(self, node: Node) -> Action:
         action = self.fleet.next_action(node)

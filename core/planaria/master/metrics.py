@@ -37,7 +37,7 @@ MEDIA_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """Prometheus' text exposition format, the one every Prometheus version scrapes."""
 
 FAULT_KINDS = ("worker_failed", "node_lost", "hang", "unhealthy", "straggler", "preflight")
-"""What a fault can be (:attr:`planaria.master.timeline.Fault.kind`); the restart causes
+"""What a fault can be (:attr:`planaria.master.summary.Fault.kind`); the restart causes
 are these and ``scale_up``."""
 UNCLASSIFIED = "unclassified"
 """The ``class`` of a fault the diagnosis does not classify (a lost node)."""

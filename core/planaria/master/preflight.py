@@ -48,7 +48,7 @@ from planaria.log import get_logger
 from planaria.master.control import JobControl
 from planaria.master.policy import Decision, FaultType, Source
 from planaria.master.state import Conflict, Node, NodePhase
-from planaria.master.timeline import Fault
+from planaria.master.summary import Fault
 
 log = get_logger("master.preflight")
 

@@ -35,7 +35,8 @@ from planaria.master.policy import (
 )
 from planaria.master.rounds import Rounds
 from planaria.master.state import Node, NodePhase
-from planaria.master.timeline import Fault, Timeline
+from planaria.master.summary import Fault
+from planaria.master.timeline import Timeline
 from planaria.protocol import Action
 
 log = get_logger("master")

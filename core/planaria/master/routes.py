@@ -22,7 +22,7 @@ from planaria.diagnosis.messages import (
 )
 from planaria.master.job import Master
 from planaria.master.metrics import MEDIA_TYPE, Exposition, JobMetrics
-from planaria.master.state import Held
+from planaria.master.state import Deferred
 from planaria.protocol import (
     API_PREFIX,
     Ack,
@@ -63,7 +63,7 @@ class Context:
 
 JSON = "application/json"
 
-Call = Callable[[Context, Any], "BaseModel | Held[BaseModel] | Awaitable[BaseModel]"]
+Call = Callable[[Context, Any], "BaseModel | Deferred[BaseModel] | Awaitable[BaseModel]"]
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class Route:
     reply: type[BaseModel]
     summary: str
     call: Call
-    """``call(context, body)``: the reply, or an awaitable of it, or the reply :class:`Held`
+    """``call(context, body)``: the reply, or an awaitable of it, or the reply :class:`Deferred`
     back (a long poll); ``body`` is the validated request model, ``None`` for a route without
     one."""
     errors: tuple[int, ...] = ()
@@ -100,9 +100,9 @@ class Route:
         return f"{self.method.lower()}_{name}"
 
 
-def _heartbeat(c: Context, beat: Heartbeat) -> HeartbeatReply | Held[HeartbeatReply]:
+def _heartbeat(c: Context, beat: Heartbeat) -> HeartbeatReply | Deferred[HeartbeatReply]:
     action = c.master.heartbeat(beat, c.hold if beat.wait else 0.0)
-    if isinstance(action, Held):
+    if isinstance(action, Deferred):
         return action.map(_beat_reply)
     return _beat_reply(action)
 

@@ -1,16 +1,21 @@
-"""Running one job to its end: the run directory, the master and its API, the agents' launch.
+"""Running one job to its end: the master and its API, the agents' launch, the job seen
+through (:func:`supervise`), and a job taken over by a new master (:func:`resume_job`).
 
 ``planaria run`` and ``planaria check --preflight`` both run a job through :func:`run_job`;
 the command line only parses its arguments and prints, and what it prints comes to it through
-:class:`RunHooks`. What a config needs before a run may start is :func:`run_issues`'s to say.
+:class:`RunHooks`. What a config needs before a run may start, and what it makes of a job, is
+:mod:`planaria.master.prepare`'s to say; the run directory's lock and token are
+:mod:`planaria.master.claim`'s.
+
+Why one module: a new run and a resumed one are one path (:func:`_run` serves the API and sees
+the job through for both); what either does on the way is elsewhere, and what is left here is
+the order of the steps and what is undone when one of them fails.
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime
 import errno
-import fcntl
 import os
 import secrets
 import shutil
@@ -28,14 +33,13 @@ from aiohttp import web
 
 from planaria.config import ResolvedConfig, load_raw
 from planaria.config.loader import RawConfig
-from planaria.config.machine import machine_issues, workdir_issues
-from planaria.diagnosis.setup import BENCHMARK_PATH, agent_spec, master_policy
-from planaria.errors import ConfigError, ConfigIssue
+from planaria.errors import ConfigError
 from planaria.events import JobEvent
 from planaria.log import get_logger
 from planaria.master import scale
 from planaria.master.advertise import Advertised, AdvertiseError, choose, is_wildcard, url_host
 from planaria.master.binding import prover
+from planaria.master.claim import TOKEN_FILE, lock_run_dir, read_token, write_token
 from planaria.master.job import Master
 from planaria.master.journal import NAME as JOURNAL_FILE
 from planaria.master.journal import (
@@ -47,9 +51,10 @@ from planaria.master.journal import (
     existing,
     release_room,
 )
+from planaria.master.prepare import job_settings, job_spec, make_run_dir
 from planaria.master.server import ServerLimits, make_app, serve
-from planaria.master.state import JobSettings, JobState
-from planaria.master.timeline import SUMMARY_FILE, Summary, write_summary
+from planaria.master.state import JobState
+from planaria.master.summary import SUMMARY_FILE, Summary, write_summary
 from planaria.master.tls import job_certificate, server_context
 from planaria.master.transport import transport
 from planaria.master.trust import check_private
@@ -59,7 +64,6 @@ from planaria.protocol import (
     FINGERPRINT_ENV,
     MASTER_ENV,
     TOKEN_ENV,
-    CheckpointSpec,
     JobSpec,
     WorkersOutput,
 )
@@ -143,132 +147,6 @@ class RunHooks:
     one that comes after the job ended."""
 
 
-def preflight_issues(resolved: ResolvedConfig, asked: bool = False) -> list[ConfigIssue]:
-    """The pre-flight check needs its benchmark installed, when it is on (or ``asked``)."""
-    diagnosis = resolved.config.diagnosis
-    if (diagnosis.preflight or asked) and BENCHMARK_PATH not in resolved.backends:
-        name = diagnosis.preflight_benchmark.backend
-        return [
-            ConfigIssue(f"{BENCHMARK_PATH}.backend", f"node benchmark {name!r} is not installed")
-        ]
-    return []
-
-
-def scheduler_issues(resolved: ResolvedConfig) -> list[ConfigIssue]:
-    if "scheduler" in resolved.backends:
-        return []
-    backend = resolved.config.scheduler.backend
-    return [ConfigIssue("scheduler.backend", f"scheduler {backend!r} is not installed")]
-
-
-def run_issues(resolved: ResolvedConfig) -> list[ConfigIssue]:
-    """What keeps a valid config from running a job here: a missing command, plugin or
-    program, a rendezvous the master cannot form."""
-    issues = []
-    if not resolved.config.job.command:
-        issues.append(
-            ConfigIssue("job.command", "no training command: set it, or give it after --")
-        )
-    issues += scheduler_issues(resolved)
-    issues += preflight_issues(resolved)
-    issues += machine_issues(resolved)
-    return issues
-
-
-def _run_dir(resolved: ResolvedConfig) -> tuple[str, Path]:
-    job = resolved.config.job
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    run_id = f"{job.name}-{stamp}-{secrets.token_hex(2)}"
-    run_dir = (job.workdir / job.run_dir / run_id).absolute()
-    issues = workdir_issues(resolved)  # never made here: a missing one is a mistake
-    if issues:
-        raise ConfigError(issues, resolved.source)
-    try:
-        run_dir.parent.mkdir(parents=True, exist_ok=True)
-        run_dir.mkdir(mode=0o700)  # private: it holds the job's token and its key
-        (run_dir / "logs").mkdir(mode=0o700)
-    except OSError as exc:
-        message = (
-            f"cannot create the run directory {run_dir}: {exc.strerror or exc}; set "
-            "job.run_dir to a directory this user can write"
-        )
-        raise ConfigError([resolved.issue("job.run_dir", message)], resolved.source) from None
-    logs = worker_log_dir(resolved, run_id, run_dir)
-    try:
-        logs.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError as exc:
-        message = f"cannot create the log directory {logs}: {exc.strerror or exc}"
-        raise ConfigError([resolved.issue("job.logs.dir", message)], resolved.source) from None
-    return run_id, run_dir
-
-
-def worker_log_dir(resolved: ResolvedConfig, run_id: str, run_dir: Path) -> Path:
-    """Where the workers' logs go: the run's ``logs/``, or a folder of the run's in
-    ``job.logs.dir`` (torchrun's ``--log-dir`` also keeps each run apart)."""
-    job = resolved.config.job
-    if job.logs.dir is None:
-        return run_dir / "logs"
-    return (job.workdir / job.logs.dir / run_id).absolute()
-
-
-def _checkpoint_spec(resolved: ResolvedConfig, run_dir: Path) -> CheckpointSpec:
-    """The checkpoint section for agents and workers. A relative ``local`` path is taken
-    relative to the run's directory, so each run starts fresh unless the config names a
-    directory of its own (an absolute path: a new run then resumes from it)."""
-    section = resolved.config.checkpoint
-    storage = resolved.backends["checkpoint.storage"]
-    options = storage.options.model_dump(mode="json")
-    if storage.record.name == "local" and not Path(options["path"]).expanduser().is_absolute():
-        options["path"] = str(run_dir / options["path"])
-    return CheckpointSpec(
-        storage={
-            "backend": storage.record.name,
-            "options": options,
-            "plugin": storage.plugin,
-            "disable": list(resolved.config.plugins.disable),
-        },
-        keep_last=section.keep_last,
-        persist_every=section.persist_every,
-        persist_on_fault=section.persist_on_fault,
-        require_restore=section.require_restore,
-        allow_unpersisted_end=section.allow_unpersisted_end,
-        persister_timeout=section.persister_timeout,
-    )
-
-
-def _job_spec(
-    resolved: ResolvedConfig, run_id: str, run_dir: Path, preflight_only: bool
-) -> JobSpec:
-    config = resolved.config
-    job = config.job
-    return JobSpec(
-        job=job.name,
-        run_id=run_id,
-        run_dir=str(run_dir),
-        # The check alone never starts a worker; the launcher wants a command all the same.
-        command=[sys.executable, "-c", "pass"] if preflight_only else job.command,
-        workdir=str(job.workdir.absolute()),
-        env=job.env,
-        procs_per_node=job.procs_per_node,
-        max_restarts=job.max_restarts,
-        heartbeat_interval=config.master.heartbeat_interval,
-        heartbeat_timeout=config.master.heartbeat_timeout,
-        master_grace=config.master.grace,
-        stop_grace=job.stop_grace,
-        log_max_bytes=int(job.logs.max_bytes),
-        log_keep=job.logs.keep,
-        log_dir=None if job.logs.dir is None else str(worker_log_dir(resolved, run_id, run_dir)),
-        console=job.logs.console,
-        redirects=job.logs.redirects,
-        tee=job.logs.tee,
-        local_ranks_filter=job.logs.local_ranks_filter,
-        preload=[] if preflight_only else job.preload,
-        chaos=config.chaos,
-        checkpoint=None if preflight_only else _checkpoint_spec(resolved, run_dir),
-        diagnosis=agent_spec(resolved, preflight_only),
-    )
-
-
 async def _advertised(
     resolved: ResolvedConfig, master: Master, journalled: Journalled | None
 ) -> Advertised:
@@ -346,50 +224,6 @@ async def _serve(
         raise ConfigError([resolved.issue(where, message)], resolved.source) from None
 
 
-TOKEN_FILE = "token"
-LOCK_FILE = "master.lock"
-
-
-def _write_token(run_dir: Path, token: str) -> None:
-    """The job's token, for a master resumed on this run directory (0600, like the rest)."""
-    fd = os.open(run_dir / TOKEN_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token)
-
-
-def _lock(run_dir: Path) -> int:
-    """Hold the run directory's master lock for this process's life: one master per run.
-    Raises :class:`JournalError` when another master holds it."""
-    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise JournalError(
-            f"a master (pid {holder}) is still running the job of {run_dir}: stop it first, "
-            "or let it go on"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.write(fd, str(os.getpid()).encode())
-    return fd
-
-
-def _settings(
-    resolved: ResolvedConfig, manager: PluginManager, spec: JobSpec, preflight_only: bool
-) -> JobSettings:
-    config = resolved.config
-    return JobSettings(
-        spec=spec,
-        min_nodes=config.job.nodes.min,
-        max_nodes=config.job.nodes.max,
-        node_unit=config.job.node_unit,
-        join_grace=config.rendezvous.join_grace,
-        join_timeout=config.rendezvous.join_timeout,
-        diagnosis=master_policy(resolved, manager, preflight_only),
-    )
-
-
 async def run_job(
     resolved: ResolvedConfig,
     manager: PluginManager,
@@ -402,12 +236,12 @@ async def run_job(
     the pre-flight node check (no worker starts). SIGINT and SIGTERM stop the job. ``token``:
     the job's token when the nodes' launchers share one (nodes started outside); otherwise
     the job makes its own."""
-    run_id, run_dir = _run_dir(resolved)
+    run_id, run_dir = make_run_dir(resolved)
     token = token or secrets.token_urlsafe(32)
-    _write_token(run_dir, token)
-    lock = _lock(run_dir)
+    write_token(run_dir, token)
+    lock = lock_run_dir(run_dir)
     try:
-        spec = _job_spec(resolved, run_id, run_dir, preflight_only)
+        spec = job_spec(resolved, run_id, run_dir, preflight_only)
         dump = resolved.dump()
         dump["job"]["workdir"] = spec.workdir  # absolute: a resumed master may run elsewhere
         journal = Journal.create(
@@ -432,7 +266,7 @@ async def resume_job(run_dir: Path, hooks: RunHooks | None = None) -> tuple[Summ
     run_dir = run_dir.absolute()
     journal_path = existing(run_dir)
     check_private(run_dir, [JOURNAL_FILE, f"{JOURNAL_FILE}-wal", f"{JOURNAL_FILE}-shm", TOKEN_FILE])
-    lock = _lock(run_dir)
+    lock = lock_run_dir(run_dir)
     journal = None
     try:
         ended = ended_mark(run_dir)
@@ -461,7 +295,7 @@ async def resume_job(run_dir: Path, hooks: RunHooks | None = None) -> tuple[Summ
         resolved, manager = load_raw(raw)
         with damaged(journal_path, "its meta 'spec'"):
             spec = JobSpec.model_validate(spec_)
-        token = _read_token(run_dir)
+        token = read_token(run_dir)
         master = _master(resolved, manager, spec, run_dir, hooks, preflight_only=False)
         try:
             master.resume(journalled)
@@ -478,24 +312,6 @@ async def resume_job(run_dir: Path, hooks: RunHooks | None = None) -> tuple[Summ
     server = journalled.meta.get("server") or {}
     summary = await _run(resolved, master, token, hooks, journalled, lock, port=server.get("port"))
     return summary, run_dir
-
-
-def _read_token(run_dir: Path) -> str:
-    path = run_dir / TOKEN_FILE
-    try:
-        token = path.read_text().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise JournalError(
-            f"cannot read the job's token {path}: {why}; its agents are trusted by it, so the "
-            "job cannot be resumed without it"
-        ) from None
-    if not token:
-        raise JournalError(
-            f"the job's token {path} is empty; its agents are trusted by it, so the job cannot "
-            "be resumed without it"
-        )
-    return token
 
 
 def _master(
@@ -517,7 +333,7 @@ def _master(
         hooks.on_event(event)
         manager.emit(event)
 
-    settings = _settings(resolved, manager, spec, preflight_only)
+    settings = job_settings(resolved, manager, spec, preflight_only)
     master = Master(settings, scheduler, run_dir, observe)
     master.on_output = hooks.on_output
     return master

@@ -108,8 +108,8 @@ class Wake:
 
 
 @dataclass(frozen=True, slots=True)
-class Held(Generic[T]):
-    """An answer held back (a long poll): ``then()`` gives it once ``waiting`` is done.
+class Deferred(Generic[T]):
+    """An answer deferred (a long poll's): ``then()`` gives it once ``waiting`` is done.
 
     A route's call answers this where it would otherwise be a coroutine that awaits a
     future and then computes its answer: the server serves it with no task and no coroutine
@@ -118,10 +118,10 @@ class Held(Generic[T]):
     waiting: asyncio.Future[Any]
     then: Callable[[], T]
 
-    def map(self, f: Callable[[T], U]) -> Held[U]:
+    def map(self, f: Callable[[T], U]) -> Deferred[U]:
         """The same wait, its answer passed through ``f``."""
         then = self.then
-        return Held(self.waiting, lambda: f(then()))
+        return Deferred(self.waiting, lambda: f(then()))
 
 
 class _Deadlines:

@@ -9,16 +9,12 @@ never takes the others down; it becomes an error only when the configuration sel
 from __future__ import annotations
 
 import difflib
-import os
-import traceback
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from enum import Enum
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 import pluggy
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from planaria import install
 from planaria.errors import (
@@ -32,73 +28,27 @@ from planaria.events import JobEvent
 from planaria.fault_pattern.api import FaultPattern
 from planaria.log import get_logger
 from planaria.plugin import ENTRY_POINT_GROUP, PROJECT_NAME, hookspecs
+from planaria.plugin.info import (
+    DISABLE_ENV,
+    PluginInfo,
+    PluginStatus,
+    disabled_from_env,
+    one_line,
+)
 from planaria.plugin.kinds import RECORD_TYPES, well_known
+from planaria.plugin.options import validate_options
 from planaria.plugin.records import PluginKind, PluginRecord, normalize_name
 
+__all__ = [
+    "DISABLE_ENV",
+    "PluginInfo",
+    "PluginManager",
+    "PluginStatus",
+    "disabled_from_env",
+    "validate_options",
+]
+
 log = get_logger("plugins")
-
-DISABLE_ENV = "PLANARIA_DISABLE_PLUGINS"
-
-
-class PluginStatus(str, Enum):
-    LOADED = "loaded"
-    BLOCKED = "blocked"
-    FAILED = "failed"
-
-
-@dataclass
-class PluginInfo:
-    """What ``planaria plugins`` shows for one plugin."""
-
-    name: str
-    value: str
-    distribution: str | None = None
-    version: str | None = None
-    status: PluginStatus = PluginStatus.LOADED
-    reason: str = ""
-    records: list[PluginRecord] = field(default_factory=list)
-    fault_patterns: list[FaultPattern] = field(default_factory=list)
-
-    @property
-    def kinds(self) -> list[str]:
-        kinds = {r.kind.value for r in self.records}
-        if self.fault_patterns:
-            kinds.add(PluginKind.FAULT_PATTERN.value)
-        return sorted(kinds)
-
-    @property
-    def provider(self) -> str:
-        if self.distribution is None:
-            return f"plugin {self.name!r}"
-        return f"{self.distribution} {self.version or ''}".strip()
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "kinds": self.kinds,
-            "distribution": self.distribution,
-            "version": self.version,
-            "status": self.status.value,
-            "reason": self.reason or None,
-            "records": [r.describe() for r in self.records],
-            "fault_patterns": [p.model_dump() for p in self.fault_patterns],
-        }
-
-
-def disabled_from_env() -> list[str]:
-    return [n for n in os.environ.get(DISABLE_ENV, "").replace(",", " ").split() if n]
-
-
-def _one_line_exception(exc: BaseException) -> str:
-    """An exception as one line: reasons appear in tables, JSON and log entries."""
-    if isinstance(exc, ValidationError):
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or exc.title}: {e['msg']}"
-            for e in exc.errors(include_url=False)
-        )
-        return f"{exc.title} is invalid: {problems}"
-    text = "".join(traceback.format_exception_only(type(exc), exc))
-    return " ".join(text.split())
 
 
 class PluginManager:
@@ -191,7 +141,7 @@ class PluginManager:
         try:
             obj = ep.load()
         except Exception as exc:
-            self._fail(info, f"import of {ep.value!r} failed: {_one_line_exception(exc)}")
+            self._fail(info, f"import of {ep.value!r} failed: {one_line(exc)}")
             return
         self._register(obj, info)
 
@@ -228,7 +178,7 @@ class PluginManager:
         try:
             self._pm.register(obj, name=info.name)
         except Exception as exc:  # pluggy's PluginValidationError, or a name clash
-            self._fail(info, _one_line_exception(exc))
+            self._fail(info, one_line(exc))
             return
         unknown = [hc.name for hc in self._pm.get_hookcallers(obj) or [] if not hc.has_spec()]
         if unknown:
@@ -271,7 +221,7 @@ class PluginManager:
                 try:
                     produced = self._call_registration(impl.function, kind)
                 except Exception as exc:
-                    self._fail(info, f"{kind.hook}() failed: {_one_line_exception(exc)}")
+                    self._fail(info, f"{kind.hook}() failed: {one_line(exc)}")
                     per_plugin.pop(info.name, None)
                     patterns.pop(info.name, None)
                     continue
@@ -407,28 +357,5 @@ class PluginManager:
                     "job event observer failed",
                     plugin=impl.plugin_name,
                     event_kind=event.kind.value,
-                    error=_one_line_exception(exc),
+                    error=one_line(exc),
                 )
-
-
-def validate_options(record: PluginRecord, options: Any, *, path: str = "options") -> BaseModel:
-    """``options`` validated by ``record``'s Options model, as planaria reads them from a
-    config: a :class:`PluginOptionsError` (a :class:`~planaria.errors.ConfigError`) names every
-    problem under ``path`` (``diagnosis.checks[0].options.max_temp: ...``)."""
-    try:
-        return record.options.model_validate(options)
-    except ValidationError as exc:
-        raise PluginOptionsError(
-            [_option_issue(path, e, record.options) for e in exc.errors()]
-        ) from None
-
-
-def _option_issue(at: str, error: Any, model: type[BaseModel]) -> ConfigIssue:
-    loc = ".".join(str(p) for p in error["loc"])
-    if error["type"] == "extra_forbidden":
-        message = f"unknown key; {model.__name__} takes: {', '.join(model.model_fields) or 'none'}"
-    elif error["type"] == "missing":
-        message = "required, but missing"
-    else:
-        message = str(error["msg"]).removeprefix("Value error, ")
-    return ConfigIssue(f"{at}.{loc}" if loc else at, message)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from planaria.events import EventKind, JobEvent
-from planaria.master.timeline import Summary
+from planaria.master.summary import Summary
 from planaria.rundir import StepSample, finite
 
 

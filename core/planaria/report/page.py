@@ -11,11 +11,11 @@ from collections.abc import Iterable, Sequence
 from html import escape
 
 from planaria.events import JobEvent
-from planaria.master.timeline import (
+from planaria.master.summary import Summary
+from planaria.master.tables import (
     FAULT_COLUMNS,
     FAULT_KIND_COLUMNS,
     STRAGGLER_COLUMNS,
-    Summary,
     fault_kind_rows,
     fault_rows,
     straggler_rows,

@@ -18,6 +18,10 @@ and loss charts: where a curve breaks, and why.
 The time axis counts seconds from the job's start; for a job over an hour it shows the time of
 day (HH:MM, the report's local time, as the page's start time), which is what one compares with
 the other dashboards and logs of a long run.
+
+Why one module: it draws one figure; its panels share the time axis, the colours and the sizes
+above, and each panel is a function of the course (:mod:`planaria.report.course`, where the
+figures are computed) that reads best beside the others it lines up with.
 """
 
 from __future__ import annotations

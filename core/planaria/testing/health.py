@@ -1,7 +1,5 @@
 """The conformance suite of health checks (:class:`~planaria.health.api.HealthCheck` plugins).
 
-(A little over 400 lines: one suite, whose tests share its case fixtures and wrappers.)
-
 Every check runs through the real runner (:func:`planaria.health.runner.run_checks`), with its
 thread and its timeout, exactly as ``planaria check`` and the agent run it. Subclass
 :class:`HealthCheckConformance` in a test module (the class name must start with ``Test``) and
@@ -42,6 +40,9 @@ Example::
         @pytest.fixture
         def unhealthy(self):
             return CheckCase({"max_load_per_cpu": 1e-9, "degraded_load_per_cpu": 1e-9})
+
+Why one module: it is one suite, a plugin's tests subclass it whole, and its tests share its
+case fixtures and the wrappers that run a check through the real runner.
 """
 
 from __future__ import annotations

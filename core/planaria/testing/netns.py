@@ -42,6 +42,10 @@ everything: it kills every process still in one of the namespaces (``ip netns pi
 deletes the namespaces. Each network is recorded under :data:`REGISTRY` with its creator's pid;
 a network whose creator died without its teardown (a SIGKILLed test run) is removed by the next
 :class:`Network` created on this machine.
+
+Why one module: a network is made, cut, healed and torn down by the same few ``ip`` calls on
+the same names and records; the process killing and the sweep of stale networks are its
+teardown, which a network created later runs for one whose creator died.
 """
 
 from __future__ import annotations

@@ -7,6 +7,11 @@ this one or its children: a killed worker's leftover context, another job's proc
 a GPU generation does not support (``NVML_ERROR_NOT_SUPPORTED``) is noted and skipped: A100
 and later repair memory by remapping rows, older GPUs retire pages.
 No driver on the node is a ``not_applicable`` result, never an error.
+
+Why one module: it is one check; each probe is a method of a few lines reading one thing of one
+GPU through the same session and noting it on the same :class:`_Probe`. NVML itself
+(:mod:`.nvml`, :mod:`.session`), the options, the XID table and the rates are modules of their
+own.
 """
 
 from __future__ import annotations

@@ -35,6 +35,10 @@ an update); finalizers and foreground deletion; restarts (``restartPolicy`` is `
 init containers, volumes, resource limits at run time, Services and pod networks beyond one
 address per node (pods run as with ``hostNetwork: true``); node heartbeats, leases and evictions
 of pods from lost nodes; preemption.
+
+Why one module: :class:`EmulatedCluster` is the one handle a test holds on the cluster; its
+methods are each a few lines that carry a test's request onto the cluster's thread, and the
+parts they reach (the store, the scheduler, the kubelet, the network) are modules of their own.
 """
 
 from __future__ import annotations
@@ -57,10 +61,11 @@ import yaml
 
 from planaria.testing import netns
 from planaria_kubernetes.testing import semantics
-from planaria_kubernetes.testing.apiserver import KINDS, ApiServer, Store
+from planaria_kubernetes.testing.apiserver import ApiServer
 from planaria_kubernetes.testing.kubelet import LOCALHOST, Kubelet
 from planaria_kubernetes.testing.scheduler import Scheduler
 from planaria_kubernetes.testing.semantics import Obj
+from planaria_kubernetes.testing.store import KINDS, Store
 
 T = TypeVar("T")
 

@@ -26,6 +26,10 @@ A pod marked for deletion gets SIGTERM on its process group, SIGKILL after its g
 final status is posted, then the pod is removed. When a pod is removed while its processes run
 (a forced deletion), they are killed. A node that is not Ready has no kubelet: its pods are
 left as they are (the processes too, unless the test killed them), even when deleted.
+
+Why one module: :class:`Kubelet` is one loop over the pods of its nodes, from a pod bound to
+its process started, watched, stopped and its pod removed; each step changes the same book of
+running containers. What it reads from and writes to the pod objects is :mod:`.pods`'s.
 """
 
 from __future__ import annotations
@@ -34,21 +38,26 @@ import asyncio
 import base64
 import contextlib
 import os
-import re
 import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from planaria.process import group_members
 from planaria_kubernetes.testing import semantics
-from planaria_kubernetes.testing.apiserver import Store
+from planaria_kubernetes.testing.pods import (
+    container_id,
+    container_status,
+    expand,
+    field_value,
+    set_conditions,
+)
 from planaria_kubernetes.testing.scheduler import is_terminal
 from planaria_kubernetes.testing.semantics import Obj
+from planaria_kubernetes.testing.store import Store
 
 LOCALHOST = "127.0.0.1"
 PULL_BACKOFF_AFTER = 1.0  # seconds of ErrImagePull before ImagePullBackOff
@@ -211,8 +220,8 @@ class Kubelet:
         except ConfigError as exc:
             self._wait(pod, waiting, "CreateContainerConfigError", str(exc))
             return
-        command = [_expand(part, env) for part in first.get("command") or []]
-        command += [_expand(part, env) for part in first.get("args") or []]
+        command = [expand(part, env) for part in first.get("command") or []]
+        command += [expand(part, env) for part in first.get("args") or []]
         if not first.get("command"):
             self._fail(
                 pod,
@@ -281,16 +290,16 @@ class Kubelet:
                     "podIPs": [{"ip": address}],
                     "startTime": status.get("startTime") or container.started_at,
                     "containerStatuses": [
-                        _container_status(
+                        container_status(
                             first,
                             {"running": {"startedAt": container.started_at}},
                             ready=True,
-                            container_id=_container_id(process.pid),
+                            container_id=container_id(process.pid),
                         )
                     ],
                 }
             )
-            _set_conditions(status, ready=True)
+            set_conditions(status, ready=True)
 
         self.store.mutate("pods", meta.get("namespace"), meta["name"], running)
 
@@ -311,13 +320,13 @@ class Kubelet:
                     "hostIPs": [{"ip": host}],
                     "startTime": status.get("startTime") or semantics.timestamp(),
                     "containerStatuses": [
-                        _container_status(
+                        container_status(
                             first, {"waiting": {"reason": reason, "message": message}}, ready=False
                         )
                     ],
                 }
             )
-            _set_conditions(
+            set_conditions(
                 status,
                 ready=False,
                 reason="ContainersNotReady",
@@ -341,7 +350,7 @@ class Kubelet:
                     "hostIPs": [{"ip": host}],
                     "startTime": status.get("startTime") or stamp,
                     "containerStatuses": [
-                        _container_status(
+                        container_status(
                             first,
                             {
                                 "terminated": {
@@ -357,7 +366,7 @@ class Kubelet:
                     ],
                 }
             )
-            _set_conditions(status, ready=False, reason="PodFailed")
+            set_conditions(status, ready=False, reason="PodFailed")
 
         self.store.mutate("pods", meta.get("namespace"), meta["name"], failed)
 
@@ -371,7 +380,7 @@ class Kubelet:
             status = obj.setdefault("status", {})
             status["phase"] = "Succeeded" if code == 0 else "Failed"
             status["containerStatuses"] = [
-                _container_status(
+                container_status(
                     first,
                     {
                         "terminated": {
@@ -379,16 +388,14 @@ class Kubelet:
                             "reason": "Completed" if code == 0 else "Error",
                             "startedAt": container.started_at,
                             "finishedAt": finished,
-                            "containerID": _container_id(container.process.pid),
+                            "containerID": container_id(container.process.pid),
                         }
                     },
                     ready=False,
-                    container_id=_container_id(container.process.pid),
+                    container_id=container_id(container.process.pid),
                 )
             ]
-            _set_conditions(
-                status, ready=False, reason="PodCompleted" if code == 0 else "PodFailed"
-            )
+            set_conditions(status, ready=False, reason="PodCompleted" if code == 0 else "PodFailed")
 
         self.store.mutate("pods", meta.get("namespace"), meta["name"], exited)
 
@@ -413,7 +420,7 @@ class Kubelet:
         for var in container.get("env") or []:
             name = str(var["name"])
             if "value" in var:
-                env[name] = _expand(str(var.get("value") or ""), env)
+                env[name] = expand(str(var.get("value") or ""), env)
                 continue
             source = var.get("valueFrom") or {}
             value: str | None
@@ -423,7 +430,7 @@ class Kubelet:
                 value = self._key(pod, "configmaps", "ConfigMap", source["configMapKeyRef"])
             elif "fieldRef" in source:
                 address = self.address((pod.get("spec") or {}).get("nodeName"))
-                value = _field(pod, str(source["fieldRef"].get("fieldPath")), address)
+                value = field_value(pod, str(source["fieldRef"].get("fieldPath")), address)
             else:
                 value = None
             if value is not None:
@@ -492,41 +499,6 @@ class Kubelet:
         return []
 
 
-_VAR = re.compile(r"\$\$|\$\(([-._A-Za-z0-9]+)\)")
-
-
-def _expand(text: str, env: dict[str, str]) -> str:
-    """``$(VAR)`` -> its value when defined, ``$$`` -> ``$``, as the kubelet expands."""
-
-    def one(match: re.Match[str]) -> str:
-        if match[0] == "$$":
-            return "$"
-        return env.get(match[1], match[0])
-
-    return _VAR.sub(one, text)
-
-
-def _field(pod: Obj, path: str, address: str) -> str | None:
-    meta = pod["metadata"]
-    values: dict[str, Any] = {
-        "metadata.name": meta.get("name"),
-        "metadata.namespace": meta.get("namespace"),
-        "metadata.uid": meta.get("uid"),
-        "spec.nodeName": (pod.get("spec") or {}).get("nodeName"),
-        "spec.serviceAccountName": (pod.get("spec") or {}).get("serviceAccountName"),
-        "status.podIP": address,
-        "status.hostIP": address,
-    }
-    if path in values:
-        value = values[path]
-        return None if value is None else str(value)
-    match = re.match(r"^metadata\.(labels|annotations)\['(.+)'\]$", path)
-    if match:
-        value = (meta.get(match[1]) or {}).get(match[2])
-        return None if value is None else str(value)
-    return None
-
-
 def _find_program(program: str, cwd: str | None, path: str | None) -> None:
     """Raise ``FileNotFoundError`` (what ``Popen`` raises) when ``program`` cannot be run."""
     if "/" in program:
@@ -536,54 +508,3 @@ def _find_program(program: str, cwd: str | None, path: str | None) -> None:
     elif shutil.which(program, path=path) is not None:
         return
     raise FileNotFoundError(2, "No such file or directory", program)
-
-
-def _container_id(pid: int) -> str:
-    return f"emulated://{pid}"
-
-
-def _container_status(
-    container: Obj, state: Obj, *, ready: bool, container_id: str | None = None
-) -> Obj:
-    status: Obj = {
-        "name": str(container.get("name")),
-        "image": str(container.get("image")),
-        "imageID": "",
-        "ready": ready,
-        "restartCount": 0,
-        "started": "running" in state,
-        "state": state,
-    }
-    if container_id:
-        status["containerID"] = container_id
-    return status
-
-
-def _set_conditions(
-    status: Obj, *, ready: bool, reason: str | None = None, message: str | None = None
-) -> None:
-    stamp = semantics.timestamp()
-    old = {c.get("type"): c for c in status.get("conditions") or []}
-    conditions: list[Obj] = []
-    wanted: Iterable[tuple[str, bool]] = (
-        ("Initialized", True),
-        ("Ready", ready),
-        ("ContainersReady", ready),
-    )
-    for kind, value in wanted:
-        text = "True" if value else "False"
-        condition: Obj = {"type": kind, "status": text, "lastProbeTime": None}
-        previous = old.get(kind)
-        condition["lastTransitionTime"] = (
-            previous.get("lastTransitionTime")
-            if previous and previous.get("status") == text
-            else stamp
-        )
-        if not value and reason:
-            condition["reason"] = reason
-        if not value and message:
-            condition["message"] = message
-        conditions.append(condition)
-    if "PodScheduled" in old:
-        conditions.append(old["PodScheduled"])
-    status["conditions"] = conditions
