@@ -21,6 +21,12 @@ models (:mod:`planaria_kubernetes.pods`), and follows them with a list-then-watc
   there is a warning, never a failure.
 - **Ownership.** Every pod has an owner reference: to the master's own pod when it runs in one
   (deleting the master deletes the job), to a configured owner, or else to the token Secret.
+
+The node table, ids, events and excluded hosts are the scheduler engine's
+(:mod:`planaria.scheduler.engine`); Kubernetes picks the machine, so ``place`` names none and
+a node's host is the one its pod is bound to, as the watches see it. The watches run on
+threads of their own: they write what they see into each node's :class:`_Pod`, under a lock,
+and :meth:`KubernetesScheduler.observe` turns that into events.
 """
 
 from __future__ import annotations
