@@ -248,7 +248,9 @@ class KubernetesScheduler(EngineScheduler[KubernetesOptions, _Pod]):
                 raise SchedulerError(f"cannot replace {node_id}: {exc}") from exc
             raise
         handle = self._placed(handle)
-        log.info("node replaced", node=node_id, replacement=new.node_id, k8s_node=handle.host)
+        log.info(
+            "replacement scheduled", node=node_id, replacement=new.node_id, k8s_node=handle.host
+        )
         return handle
 
     def adopt(self, spec: LaunchSpec, handles: list[NodeHandle], excluded: set[str]) -> None:
