@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from planaria.errors import SchedulerError
 from planaria.scheduler.api import LaunchSpec, NodeEvent, NodeState
 from planaria_kubernetes import KubernetesOptions, KubernetesScheduler, OwnerRef, pods
 from planaria_kubernetes.testing import EmulatedCluster
@@ -238,5 +239,51 @@ def test_deleting_the_master_s_pod_deletes_the_job(
         cluster.wait(lambda: cluster.pod(name) is None, 30, "the job's pod gone with its master")
         secrets = [s["metadata"]["name"] for s in cluster.objects("secrets")]
         assert pods.secret_name(spec) not in secrets
+    finally:
+        k8s.stop()
+
+
+def test_a_replacement_with_no_other_node_free_goes_back_to_the_old_one(
+    cluster: EmulatedCluster, spec: LaunchSpec
+) -> None:
+    """One pod per node, every node taken: the replacement, kept off the old node while another
+    could take it, finds none, and lands on the old node (not excluded) under its own id."""
+    k8s = scheduler(cluster, one_per_node=True)
+    try:
+        handles = k8s.launch(spec, 3)
+        old = handles[0]
+        new = k8s.replace(old.node_id, exclude_host=False)
+        assert new.node_id == "node-3"
+        assert new.host == old.host
+        events = []
+        deadline = time.monotonic() + 30
+        while not any(e.node_id == new.node_id for e in events):
+            assert time.monotonic() < deadline, events
+            events += k8s.poll(0.5)
+        assert [e.state for e in events if e.node_id == new.node_id] == [NodeState.RUNNING]
+        assert not [e for e in events if e.node_id == old.node_id]
+        pod = cluster.pod(pods.pod_name(spec, new.node_id))
+        assert pod is not None and pod["spec"]["nodeName"] == old.host
+        assert k8s.excluded_hosts() == set()
+    finally:
+        k8s.stop()
+
+
+def test_a_replacement_no_node_can_take_is_an_error_and_leaves_no_pod(
+    cluster: EmulatedCluster, spec: LaunchSpec
+) -> None:
+    """One pod per node, every node taken, the old node excluded: the replacement cannot be
+    scheduled, and the error names it and Kubernetes' reason; its pod is deleted."""
+    k8s = scheduler(cluster, one_per_node=True, schedule_timeout=1)
+    try:
+        old, *_ = k8s.launch(spec, 3)
+        with pytest.raises(SchedulerError) as raised:
+            k8s.replace(old.node_id, exclude_host=True)
+        message = str(raised.value)
+        assert message.startswith(f"cannot replace {old.node_id}: pod "), message
+        assert "could not be scheduled for 1s" in message and "0/3 nodes" in message, message
+        assert k8s.excluded_hosts() == {old.host}
+        new_pod = pods.pod_name(spec, "node-3")
+        cluster.wait(lambda: cluster.pod(new_pod) is None, 30, "the replacement's pod deleted")
     finally:
         k8s.stop()

@@ -21,6 +21,12 @@ models (:mod:`planaria_kubernetes.pods`), and follows them with a list-then-watc
   there is a warning, never a failure.
 - **Ownership.** Every pod has an owner reference: to the master's own pod when it runs in one
   (deleting the master deletes the job), to a configured owner, or else to the token Secret.
+
+The node table, ids, events and excluded hosts are the scheduler engine's
+(:mod:`planaria.scheduler.engine`); Kubernetes picks the machine, so ``place`` names none and
+a node's host is the one its pod is bound to, as the watches see it. The watches run on
+threads of their own: they write what they see into each node's :class:`_Pod`, under a lock,
+and :meth:`KubernetesScheduler.observe` turns that into events.
 """
 
 from __future__ import annotations
@@ -30,21 +36,14 @@ import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from planaria import leftovers
 from planaria.errors import ConfigIssue
 from planaria.log import get_logger
-from planaria.plugin import (
-    LaunchSpec,
-    NodeEvent,
-    NodeHandle,
-    NodeState,
-    Scheduler,
-    SchedulerError,
-    poll_events,
-)
+from planaria.plugin import LaunchSpec, NodeEvent, NodeHandle, NodeState, SchedulerError
+from planaria.scheduler.engine import EngineNode, EngineScheduler
 from planaria.shm import TAG_ENV
 from planaria_kubernetes import api, pods
 from planaria_kubernetes.informer import Informer
@@ -70,26 +69,32 @@ _GONE_WAIT = 15.0
 
 
 @dataclass(eq=False)
-class _Node:
-    node_id: str
-    pod: str
+class _Pod:
+    """A node's pod, as the watches saw it: the engine's data of a Kubernetes node. The
+    informer threads write it (under the scheduler's lock); :meth:`KubernetesScheduler.observe`
+    turns it into events."""
+
+    name: str
     host: str = ""
     """The Kubernetes node the pod is bound to; empty until it is scheduled."""
-    since: float = field(default_factory=time.monotonic)
+    created: bool = False
     running: bool = False
-    reported: bool = False
-    """Its end was reported: nothing more of it is."""
-    released: bool = False
-    """Stopped or replaced by the master: its end is no news."""
+    end: tuple[NodeState, str] | None = None
+    """How it ended, as first seen: nothing later changes it."""
     unschedulable: str = ""
     unschedulable_since: float | None = None
     waiting: str = ""
     waiting_since: float | None = None
+    deleting: bool = False
+    """The scheduler asked for its deletion."""
     gone: bool = False
 
     @property
     def settled(self) -> bool:
-        return self.running or self.reported or self.released
+        return self.running or self.end is not None
+
+
+_K8sNode = EngineNode[_Pod]
 
 
 def _exit(pod: dict[str, Any]) -> tuple[NodeState, str]:
@@ -135,8 +140,10 @@ def _ready(node: dict[str, Any]) -> tuple[bool, str]:
     return False, "it has no Ready condition"
 
 
-class KubernetesScheduler(Scheduler[KubernetesOptions]):
-    """Nodes are pods (see the module docstring)."""
+class KubernetesScheduler(EngineScheduler[KubernetesOptions, _Pod]):
+    """Nodes are pods (see the module docstring). The engine (:mod:`planaria.scheduler.engine`)
+    keeps the nodes, their events and the excluded hosts; this class creates, watches and
+    deletes the pods, and keeps the Secret, the watches, the owner and cordons."""
 
     name = "kubernetes"
     nodes_here = False
@@ -180,16 +187,14 @@ class KubernetesScheduler(Scheduler[KubernetesOptions]):
         super().__init__(options)
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
-        self._nodes: dict[str, _Node] = {}
-        self._by_pod: dict[str, _Node] = {}
-        self._events: list[NodeEvent] = []
-        self._excluded: dict[str, str] = {}
-        self._next_number = 0
+        self._seen = False
+        """A watch saw a change that :meth:`observe` has not looked at yet."""
+        self._by_pod: dict[str, _Pod] = {}
         self._client: Any = None
         self._core: Any = None
         self._namespace = ""
         self._spec: LaunchSpec | None = None
-        self._owner: OwnerRef | None = None
+        self._owner_ref: OwnerRef | None = None
         self._secret_made = False
         self._pods_owner: OwnerRef | None = None
         """Without an owner: the token Secret, made first, owns the pods."""
@@ -197,102 +202,62 @@ class KubernetesScheduler(Scheduler[KubernetesOptions]):
         self._pods_informer: Informer | None = None
         self._cluster_nodes: dict[str, dict[str, Any]] = {}
 
-    # -- the Scheduler interface --------------------------------------------------------
+    # -- the Scheduler interface, beyond the engine's ---------------------------------------
 
     def launch(self, spec: LaunchSpec, count: int) -> list[NodeHandle]:
-        """Create ``count`` pods and wait until they run (see the module docstring)."""
-        if count < 0:
-            raise SchedulerError(f"cannot launch {count} nodes: the count must be 0 or more")
-        if not spec.command:
-            raise SchedulerError("cannot launch nodes: the launch command is empty")
-        if count == 0:
-            return []
-        self.check_interrupted("cannot launch nodes")
-        self._connect(spec)
-        self._ensure_secret(spec)
-        with self._lock:
-            nodes = [self._new_node(spec) for _ in range(count)]
+        """Create ``count`` pods and wait until they run (see the module docstring): the
+        engine hands out the nodes, then their pods are created ``parallelism`` at once."""
+        if count > 0 and spec.command:
+            self.check_interrupted("cannot launch nodes")
+            self._connect(spec)
+            self._ensure_secret(spec)
+        handles: list[NodeHandle] = []
         try:
-            self._create(spec, nodes)
-            self._await(nodes, running=True)
+            handles = super().launch(spec, count)
+            nodes = [self.node(h.node_id) for h in handles]
+            if nodes:
+                self._create(nodes)
+                self._await(nodes, running=True)
         except BaseException:
-            self._delete(nodes)
-            with self._lock:
-                others = [n for n in self._nodes.values() if not n.released]
-            if not others:  # nothing of the job may be left: its Secret neither
-                self.stop()
+            self.stop([h.node_id for h in handles])
+            if self._core is not None and all(n.released for n in self.nodes.values()):
+                self.stop()  # nothing of the job may be left: its Secret neither
             raise
-        return [self._handle(n) for n in nodes]
-
-    def poll(self, timeout: float) -> list[NodeEvent]:
-        """State changes since the last call; waits at most ``timeout`` for the first."""
-        return poll_events(timeout, self._take, self._sleep)
+        return [self._placed(h) for h in handles]
 
     def replace(self, node_id: str, *, exclude_host: bool) -> NodeHandle:
         """Delete ``node_id``'s pod and create its successor, kept off every excluded host
         and, while another node can take it, off the old one's; returns once the new pod is
         scheduled."""
-        self.check_interrupted(f"cannot replace {node_id}")
-        old = self._get(node_id)
-        if old.released:
-            raise SchedulerError(f"cannot replace {node_id}: it was already stopped or replaced")
-        if exclude_host and old.host:
-            self._exclude(old.host, f"node {node_id} was diagnosed faulty")
-        self._delete([old])
-        assert self._spec is not None
-        avoid = [old.host] if old.host and not exclude_host else []
+        old = self.node(node_id)
+        soft = [] if exclude_host or not old.host else [old.host]
+        handle = super().replace(node_id, exclude_host=exclude_host)
+        new = self.node(handle.node_id)
         try:
-            new = self._place(self._spec, avoid)
-            if new is None:  # no other node: the old one's host, when it is not excluded
-                new = self._place(self._spec, [])
-            assert new is not None
-        except SchedulerError as exc:
-            raise SchedulerError(f"cannot replace {node_id}: {exc}") from exc
-        log.info("node replaced", node=node_id, replacement=new.node_id, k8s_node=new.host)
-        return self._handle(new)
-
-    def _place(self, spec: LaunchSpec, avoid: list[str]) -> _Node | None:
-        """A new node's pod, scheduled; with ``avoid``, None as soon as Kubernetes finds no
-        node but those for it (its pod deleted again)."""
-        with self._lock:
-            new = self._new_node(spec)
-        self._create(spec, [new], avoid)
-        try:
-            placed = self._await([new], running=False, quick=bool(avoid))
-        except BaseException:
-            self._delete([new])
+            self._create([new], soft)
+            if not self._await([new], running=False, quick=bool(soft)):
+                # Kubernetes finds no node but the old one's: there, when it is not excluded.
+                self._delete([new], grace=0.0)
+                self._await_gone([new], self.options.request_timeout)
+                new.data = self._new_pod(new)
+                self._create([new])
+                self._await([new], running=False)
+        except BaseException as exc:
+            self.stop([new.node_id])
+            if isinstance(exc, SchedulerError):
+                raise SchedulerError(f"cannot replace {node_id}: {exc}") from exc
             raise
-        if not placed:
-            self._delete([new])
-            return None
-        return new
-
-    def stop(self, node_ids: list[str] | None = None) -> None:
-        """Delete the pods (their agents get SIGTERM, SIGKILL after ``stop_grace``). Stopping
-        every node waits until the pods are gone and deletes the token Secret."""
-        with self._lock:
-            if node_ids is None:
-                targets = list(self._nodes.values())
-            else:
-                targets = [self._get(node_id) for node_id in dict.fromkeys(node_ids)]
-        self._delete(targets)
-        if node_ids is not None or self._core is None:
-            return
-        deadline = time.monotonic() + self.options.stop_grace + _GONE_WAIT
-        with self._lock:
-            while any(not n.gone for n in targets) and time.monotonic() < deadline:
-                self._changed.wait(0.2)
-            left = [n.pod for n in targets if not n.gone]
-        if left:
-            log.warning("pods still terminating", pods=left)
-        self._delete_secret()
-        self._disconnect()
+        handle = self._placed(handle)
+        log.info(
+            "replacement scheduled", node=node_id, replacement=new.node_id, k8s_node=handle.host
+        )
+        return handle
 
     def adopt(self, spec: LaunchSpec, handles: list[NodeHandle], excluded: set[str]) -> None:
         """Find a restarted master's pods again by name; one that is gone is reported lost."""
         self._connect(spec)
         self._secret_made = True  # the earlier master made it; the job still needs it
-        if self._owner is None:  # then the Secret owns the pods: so it does the new ones
+        if self._owner_ref is None:  # then the Secret owns the pods: so it does the new ones
             try:
                 secret = self._core.read_namespaced_secret(
                     pods.secret_name(spec),
@@ -306,36 +271,26 @@ class KubernetesScheduler(Scheduler[KubernetesOptions]):
             self._pods_owner = OwnerRef(
                 api_version="v1", kind="Secret", name=secret.metadata.name, uid=secret.metadata.uid
             )
+        self.keep_excluded(excluded)
+        assert self._pods_informer is not None
         stale = []
         with self._lock:
-            for host in excluded:
-                self._excluded.setdefault(host, "excluded by an earlier master")
             for handle in handles:
-                number = handle.node_id.removeprefix("node-")
-                if number.isdigit():
-                    self._next_number = max(self._next_number, int(number) + 1)
-                node = _Node(handle.node_id, pods.pod_name(spec, handle.node_id), host=handle.host)
-                self._nodes[node.node_id] = node
-                self._by_pod[node.pod] = node
-                assert self._pods_informer is not None
-                current = self._pods_informer.objects.get(node.pod)
+                record = _Pod(pods.pod_name(spec, handle.node_id), host=handle.host, created=True)
+                node = self.add_adopted(handle, spec, record)
+                self._by_pod[record.name] = record
+                current = self._pods_informer.objects.get(record.name)
                 if handle.state is NodeState.LOST:  # out of the job: its pod must go
-                    node.reported = True
-                    node.gone = current is None
+                    record.gone = current is None
                     if current is not None:
                         stale.append(node)
-                    continue
-                if current is None:
-                    node.gone = True
-                    self._report(node, NodeState.LOST, f"its pod {node.pod} is gone")
+                elif current is None:
+                    record.gone = True
+                    record.end = (NodeState.LOST, f"its pod {record.name} is gone")
                 else:
-                    self._observe(node, current)
-                    log.info("node adopted", node=node.node_id, pod=node.pod)
-        self._delete(stale)
-
-    def excluded_hosts(self) -> set[str]:
-        with self._lock:
-            return set(self._excluded)
+                    self._observe_pod(record, current)
+                    log.info("node adopted", node=node.node_id, pod=record.name)
+        self._delete(stale, self.stop_grace)
 
     def node_addresses(self) -> list[str]:
         """The ``InternalIP`` of every Ready, schedulable node of the cluster that the pods'
@@ -368,6 +323,76 @@ class KubernetesScheduler(Scheduler[KubernetesOptions]):
                     addresses.append(address.address)
         return addresses
 
+    # -- the engine's backend -------------------------------------------------------------
+
+    def place(self, node: _K8sNode, avoid: frozenset[str], replacing: _K8sNode | None) -> str:
+        """No host: Kubernetes picks the machine (``node.avoid`` becomes the pod's node
+        anti-affinity), and :meth:`observe` says which once the pod is bound."""
+        return ""
+
+    def start(self, node: _K8sNode) -> _Pod:
+        """The node's pod, to be created: :meth:`launch` and :meth:`replace` create the pods
+        they asked for together, ``parallelism`` at once, and wait for them."""
+        return self._new_pod(node)
+
+    def handle_data(self, node: _K8sNode) -> dict[str, str]:
+        assert node.data is not None
+        return {"pod": node.data.name, "namespace": self._namespace}
+
+    def terminate(self, nodes: list[_K8sNode], grace: float) -> None:
+        """Delete the nodes' pods (their agents get SIGTERM, SIGKILL after ``grace``); the
+        kubelets stop them. Stopping every node waits until they are gone (:meth:`after_stop`)."""
+        self._delete(nodes, grace)
+
+    def observe(self) -> list[NodeEvent]:
+        """What the watches saw of each node's pod since the last call; a pod that cannot
+        start (``schedule_timeout``, ``start_timeout``) fails, and is deleted: it must not hold
+        a node's resources, or wait for ever."""
+        events = []
+        stuck = []
+        with self._lock:
+            self._seen = False
+            now = time.monotonic()
+            for node in self.nodes.values():
+                pod = node.data
+                if pod is None or node.released or node.ended:
+                    continue
+                node.host = pod.host or node.host
+                if pod.running and node.state is NodeState.PENDING:
+                    events.append(NodeEvent(node_id=node.node_id, state=NodeState.RUNNING))
+                    log.info("node running", node=node.node_id, pod=pod.name, k8s_node=node.host)
+                end = pod.end
+                why = "" if end else self._cannot_start(pod, now)
+                if why:
+                    end = (NodeState.FAILED, why)
+                    stuck.append(node)
+                if end:
+                    events.append(NodeEvent(node_id=node.node_id, state=end[0], reason=end[1]))
+                    log.info("node ended", node=node.node_id, state=end[0].value, reason=end[1])
+        self._delete(stuck, self.stop_grace)
+        return events
+
+    def wait(self, remaining: float) -> None:
+        """Sleep until a watch sees a change, at most ``remaining`` seconds (half a second at
+        most: time alone makes a pod that cannot start fail)."""
+        with self._lock:
+            if not self._seen:
+                self._changed.wait(min(remaining, 0.5))
+
+    def on_exclude(self, host: str, why: str) -> None:
+        """With ``cordon``, no pod of anyone's lands on the host any more."""
+        if self.options.cordon:
+            self._cordon(host)
+
+    def after_stop(self, nodes: list[_K8sNode], everything: bool) -> None:
+        """Once every node is stopped: wait until the pods are gone, then delete the token
+        Secret and close the watches."""
+        if not everything or self._core is None:
+            return
+        self._await_gone(nodes, self.options.stop_grace + _GONE_WAIT)
+        self._delete_secret()
+        self._disconnect()
+
     # -- the cluster --------------------------------------------------------------------
 
     def _connect(self, spec: LaunchSpec) -> None:
@@ -380,7 +405,7 @@ class KubernetesScheduler(Scheduler[KubernetesOptions]):
         self._core = client.CoreV1Api(self._client)
         self._namespace = api.namespace(self.options)
         try:
-            self._owner = self._find_owner()
+            self._owner_ref = self._find_owner()
         except BaseException:
             self._disconnect()
             raise
@@ -432,7 +457,7 @@ class KubernetesScheduler(Scheduler[KubernetesOptions]):
     def _ensure_secret(self, spec: LaunchSpec) -> None:
         if self._secret_made:
             return
-        body = pods.secret(spec, self._owner)
+        body = pods.secret(spec, self._owner_ref)
         try:
             made = self._core.create_namespaced_secret(
                 self._namespace, body, _request_timeout=self.options.request_timeout
@@ -440,7 +465,7 @@ class KubernetesScheduler(Scheduler[KubernetesOptions]):
         except Exception as exc:
             raise api.error(f"cannot create the Secret {body.metadata.name}", exc) from exc
         self._secret_made = True
-        if self._owner is None:  # the pods belong to the Secret: one delete ends the job
+        if self._owner_ref is None:  # the pods belong to the Secret: one delete ends the job
             self._pods_owner = OwnerRef(
                 api_version="v1", kind="Secret", name=body.metadata.name, uid=made.metadata.uid
             )
@@ -459,15 +484,6 @@ class KubernetesScheduler(Scheduler[KubernetesOptions]):
                 log.warning("cannot delete the token Secret", secret=name, error=said)
         self._secret_made = False
 
-    def _exclude(self, host: str, why: str) -> None:
-        with self._lock:
-            if host in self._excluded:
-                return
-            self._excluded[host] = why
-        log.warning("kubernetes node excluded", k8s_node=host, why=why)
-        if self.options.cordon:
-            self._cordon(host)
-
     def _cordon(self, host: str) -> None:
         try:
             from kubernetes import client
@@ -484,55 +500,55 @@ class KubernetesScheduler(Scheduler[KubernetesOptions]):
 
     # -- pods -------------------------------------------------------------------------------
 
-    def _new_node(self, spec: LaunchSpec) -> _Node:
-        node_id = f"node-{self._next_number}"
-        self._next_number += 1
-        node = _Node(node_id, pods.pod_name(spec, node_id))
-        self._nodes[node_id] = node
-        self._by_pod[node.pod] = node
-        return node
+    def _new_pod(self, node: _K8sNode) -> _Pod:
+        """A record for the node's pod, which the watches fill in from now on."""
+        record = _Pod(pods.pod_name(node.spec, node.node_id))
+        with self._lock:
+            self._by_pod[record.name] = record
+        return record
 
-    def _get(self, node_id: str) -> _Node:
-        node = self._nodes.get(node_id)
-        if node is None:
-            raise SchedulerError(
-                f"unknown node {node_id!r}: this kubernetes scheduler never started it"
-            )
-        return node
+    def _placed(self, handle: NodeHandle) -> NodeHandle:
+        """``handle`` as its node is now: where Kubernetes bound it (``pending`` until it
+        did), and whether it runs."""
+        node = self.node(handle.node_id)
+        with self._lock:
+            pod = node.data
+            if pod is not None:
+                node.host = pod.host or node.host
+            running = pod is not None and pod.running
+        state = NodeState.RUNNING if running else NodeState.PENDING
+        return handle.model_copy(update={"host": node.host or "pending", "state": state})
 
-    def _handle(self, node: _Node) -> NodeHandle:
-        return NodeHandle(
-            node_id=node.node_id,
-            host=node.host or "pending",
-            state=NodeState.RUNNING if node.running else NodeState.PENDING,
-            data={"pod": node.pod, "namespace": self._namespace},
-        )
-
-    def _hostnames(self, more: Iterable[str] = ()) -> list[str]:
-        """The ``kubernetes.io/hostname`` labels (names, for a node without one) of the
-        excluded nodes and of ``more``."""
+    def _hostnames(self, hosts: Iterable[str]) -> list[str]:
+        """The ``kubernetes.io/hostname`` labels (names, for a node without one) of ``hosts``."""
         with self._lock:
             found = []
-            for host in {*self._excluded, *more}:
+            for host in set(hosts):
                 labels = self._cluster_nodes.get(host, {}).get("metadata", {}).get("labels") or {}
                 found.append(labels.get(pods.HOSTNAME, host))
             return found
 
-    def _create(
-        self, spec: LaunchSpec, nodes: list[_Node], avoid: Iterable[str] = ()
-    ) -> list[_Node]:
-        """Create the nodes' pods, ``parallelism`` at once. A refusal deletes the ones made and
-        raises, naming the pod and the API server's reason."""
+    def _create(self, nodes: list[_K8sNode], avoid: Iterable[str] = ()) -> None:
+        """Create the nodes' pods, ``parallelism`` at once, each kept off the hosts its node
+        avoids and off ``avoid``. A refusal raises, naming the pod and the API server's
+        reason (the caller deletes the ones made)."""
         extra = {}
         marker = os.environ.get(leftovers.VARIABLE)
         if marker:  # what the job starts on the cluster carries the run's marker
             extra[leftovers.VARIABLE] = marker
         if tag := os.environ.get(TAG_ENV):  # and names its files in /dev/shm as the run does
             extra[TAG_ENV] = tag
-        owner = self._owner or self._pods_owner
-        excluded = self._hostnames(avoid)
+        owner = self._owner_ref or self._pods_owner
+        more = list(avoid)
         bodies = [
-            pods.pod(spec, self.options, n.node_id, owner=owner, excluded=excluded, extra_env=extra)
+            pods.pod(
+                n.spec,
+                self.options,
+                n.node_id,
+                owner=owner,
+                excluded=self._hostnames([*n.avoid, *more]),
+                extra_env=extra,
+            )
             for n in nodes
         ]
         timeout = self.options.request_timeout
@@ -549,79 +565,94 @@ class KubernetesScheduler(Scheduler[KubernetesOptions]):
         workers = min(self.options.parallelism, len(bodies))
         with ThreadPoolExecutor(workers, thread_name_prefix="create-pod") as pool:
             results = list(pool.map(create, bodies))
-        made = [n for n, failed in zip(nodes, results, strict=True) if failed is None]
-        failures = [
-            (n, failed) for n, failed in zip(nodes, results, strict=True) if failed is not None
-        ]
+        failures = []
+        with self._lock:
+            for node, failed in zip(nodes, results, strict=True):
+                assert node.data is not None
+                if failed is None:
+                    node.data.created = True
+                else:
+                    failures.append((node.data.name, failed))
         if failures:
-            node, exc = failures[0]
-            self._delete(made)
-            with self._lock:
-                for n, _ in failures:
-                    n.released = n.gone = True
-            more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+            name, exc = failures[0]
+            more_failed = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
             if isinstance(exc, SchedulerError):
                 raise exc
-            raise api.error(f"cannot create pod {node.pod}{more}", exc) from exc
-        log.info("pods created", count=len(made), namespace=self._namespace)
-        return made
+            raise api.error(f"cannot create pod {name}{more_failed}", exc) from exc
+        log.info("pods created", count=len(nodes), namespace=self._namespace)
 
-    def _await(self, nodes: list[_Node], *, running: bool, quick: bool = False) -> bool:
+    def _await(self, nodes: list[_K8sNode], *, running: bool, quick: bool = False) -> bool:
         """Wait until each node runs (``running``) or is scheduled; raise when one cannot be
         (see :meth:`_cannot_start`) or the job stops. With ``quick``, False as soon as one is
         found unschedulable."""
         with self._lock:
             while True:
-                if quick and any(n.unschedulable for n in nodes):
+                records = [n.data for n in nodes if n.data is not None]
+                if quick and any(p.unschedulable for p in records):
                     return False
                 if self.interrupted:
                     raise SchedulerError("the job is stopping (the scheduler was interrupted)")
-                for node in nodes:
-                    why = self._cannot_start(node, time.monotonic())
+                for pod in records:
+                    why = self._cannot_start(pod, time.monotonic())
                     if why:
                         raise SchedulerError(why)
-                if all(n.settled or (not running and n.host) for n in nodes):
+                if all(p.settled or (not running and p.host) for p in records):
                     return True
                 self._changed.wait(0.2)
 
-    def _cannot_start(self, node: _Node, now: float) -> str:
-        if node.settled:
+    def _cannot_start(self, pod: _Pod, now: float) -> str:
+        if pod.settled:
             return ""
         if (
-            node.unschedulable_since is not None
-            and now - node.unschedulable_since > self.options.schedule_timeout
+            pod.unschedulable_since is not None
+            and now - pod.unschedulable_since > self.options.schedule_timeout
         ):
             return (
-                f"pod {node.pod} could not be scheduled for "
-                f"{self.options.schedule_timeout:g}s: {node.unschedulable}"
+                f"pod {pod.name} could not be scheduled for "
+                f"{self.options.schedule_timeout:g}s: {pod.unschedulable}"
             )
-        if node.waiting_since is not None and now - node.waiting_since > self.options.start_timeout:
+        if pod.waiting_since is not None and now - pod.waiting_since > self.options.start_timeout:
             within = f"{self.options.start_timeout:g}s"
-            return f"pod {node.pod} did not start within {within}: {node.waiting}"
+            return f"pod {pod.name} did not start within {within}: {pod.waiting}"
         return ""
 
-    def _delete(self, nodes: Iterable[_Node]) -> None:
-        """Release the nodes and delete their pods (``stop_grace``); a pod gone already is
-        no error."""
+    def _await_gone(self, nodes: Iterable[_K8sNode], timeout: float) -> None:
+        """Wait until the nodes' pods are gone, at most ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            records = [n.data for n in nodes if n.data is not None]
+            while any(not p.gone for p in records) and time.monotonic() < deadline:
+                self._changed.wait(0.2)
+            left = [p.name for p in records if not p.gone]
+        if left:
+            log.warning("pods still terminating", pods=left)
+
+    def _delete(self, nodes: Iterable[_K8sNode], grace: float) -> None:
+        """Delete the nodes' pods (``grace``), once each; a pod gone already, or never
+        created, is no error."""
         with self._lock:
             targets = []
             for node in nodes:
-                if not node.released:
-                    node.released = True
-                    targets.append(node)
-            ids = {n.node_id for n in targets}
-            self._events = [e for e in self._events if e.node_id not in ids]
+                pod = node.data
+                if pod is None or pod.deleting or pod.gone:
+                    continue
+                pod.deleting = True
+                if pod.created:
+                    targets.append((node.node_id, pod))
+                else:
+                    pod.gone = True
         if not targets or self._core is None:
             return
-        grace = round(self.options.stop_grace)
+        seconds = round(grace)
         timeout = self.options.request_timeout
 
-        def delete(node: _Node) -> None:
+        def delete(target: tuple[str, _Pod]) -> None:
+            node_id, pod = target
             try:
                 self._core.delete_namespaced_pod(
-                    node.pod,
+                    pod.name,
                     self._namespace,
-                    grace_period_seconds=grace,
+                    grace_period_seconds=seconds,
                     propagation_policy="Background",
                     _request_timeout=timeout,
                 )
@@ -629,76 +660,70 @@ class KubernetesScheduler(Scheduler[KubernetesOptions]):
                 code, said = api.status_of(exc)
                 if code == 404:
                     with self._lock:
-                        node.gone = True
+                        pod.gone = True
                 else:
-                    log.warning("cannot delete pod", pod=node.pod, error=said)
-            log.info("node stopped", node=node.node_id, pod=node.pod)
+                    log.warning("cannot delete pod", pod=pod.name, error=said)
+            log.info("node stopped", node=node_id, pod=pod.name)
 
         workers = min(self.options.parallelism, len(targets))
         with ThreadPoolExecutor(workers, thread_name_prefix="delete-pod") as pool:
             list(pool.map(delete, targets))
 
-    # -- what the watches see ---------------------------------------------------------------
+    # -- what the watches see (on the informers' threads) -----------------------------------
 
     def _pod_changed(
         self, name: str, before: dict[str, Any] | None, after: dict[str, Any] | None
     ) -> None:
         with self._lock:
-            node = self._by_pod.get(name)
-            if node is not None:
+            pod = self._by_pod.get(name)
+            if pod is not None:
                 if after is None:
-                    node.gone = True
-                    if not node.released:
-                        self._report(node, NodeState.LOST, f"its pod {name} was deleted")
+                    pod.gone = True
+                    if not pod.deleting and pod.end is None:
+                        pod.end = (NodeState.LOST, f"its pod {name} was deleted")
                 else:
-                    self._observe(node, after)
+                    self._observe_pod(pod, after)
+            self._seen = True
             self._changed.notify_all()
 
-    def _observe(self, node: _Node, pod: dict[str, Any]) -> None:
-        node.host = pod.get("spec", {}).get("nodeName") or node.host
-        if node.released or node.reported:
+    def _observe_pod(self, pod: _Pod, seen: dict[str, Any]) -> None:
+        pod.host = seen.get("spec", {}).get("nodeName") or pod.host
+        if pod.end is not None:
             return
-        status = pod.get("status", {})
+        status = seen.get("status", {})
         if status.get("reason") == "Evicted":
-            self._report(
-                node, NodeState.LOST, f"pod {node.pod} was evicted: {status.get('message')}"
-            )
+            pod.end = (NodeState.LOST, f"pod {pod.name} was evicted: {status.get('message')}")
             return
-        if pod["metadata"].get("deletionTimestamp"):
-            self._report(node, NodeState.LOST, f"pod {node.pod} is being deleted (not by the job)")
+        if seen["metadata"].get("deletionTimestamp"):
+            if not pod.deleting:
+                pod.end = (NodeState.LOST, f"pod {pod.name} is being deleted (not by the job)")
             return
         phase = status.get("phase")
         if phase in ("Succeeded", "Failed"):
-            state, why = _exit(pod)
-            self._report(node, state, why)
+            pod.end = _exit(seen)
             return
-        if node.host:
-            ready, why = _ready(self._cluster_nodes.get(node.host, {"status": {}}))
-            if node.host in self._cluster_nodes and not ready:
-                self._report(
-                    node, NodeState.LOST, f"its Kubernetes node {node.host} is NotReady: {why}"
-                )
+        if pod.host:
+            ready, why = _ready(self._cluster_nodes.get(pod.host, {"status": {}}))
+            if pod.host in self._cluster_nodes and not ready:
+                pod.end = (NodeState.LOST, f"its Kubernetes node {pod.host} is NotReady: {why}")
                 return
         now = time.monotonic()
-        unschedulable = "" if node.host else _unschedulable(pod)
-        if unschedulable and node.unschedulable_since is None:
-            node.unschedulable_since = now
-        node.unschedulable = unschedulable
+        unschedulable = "" if pod.host else _unschedulable(seen)
+        if unschedulable and pod.unschedulable_since is None:
+            pod.unschedulable_since = now
+        pod.unschedulable = unschedulable
         if not unschedulable:
-            node.unschedulable_since = None
-        waiting = _waiting(pod)
-        if waiting and node.waiting_since is None:
-            node.waiting_since = now
-        node.waiting = waiting
+            pod.unschedulable_since = None
+        waiting = _waiting(seen)
+        if waiting and pod.waiting_since is None:
+            pod.waiting_since = now
+        pod.waiting = waiting
         if not waiting:
-            node.waiting_since = None
-        running = phase == "Running" and any(
+            pod.waiting_since = None
+        if phase == "Running" and any(
             (s.get("state") or {}).get("running") for s in status.get("containerStatuses") or []
-        )
-        if running and not node.running:
-            node.running = True
-            self._events.append(NodeEvent(node_id=node.node_id, state=NodeState.RUNNING))
-            log.info("node running", node=node.node_id, pod=node.pod, k8s_node=node.host)
+        ):
+            pod.running = True
 
     def _node_changed(
         self, name: str, before: dict[str, Any] | None, after: dict[str, Any] | None
@@ -711,33 +736,8 @@ class KubernetesScheduler(Scheduler[KubernetesOptions]):
                 self._cluster_nodes[name] = after
                 ready, why = _ready(after)
             if not ready:
-                for node in self._nodes.values():
-                    if node.host == name and not node.released and not node.reported:
-                        self._report(
-                            node, NodeState.LOST, f"its Kubernetes node {name} is NotReady: {why}"
-                        )
+                for pod in self._by_pod.values():
+                    if pod.host == name and pod.end is None and not pod.deleting:
+                        pod.end = (NodeState.LOST, f"its Kubernetes node {name} is NotReady: {why}")
+            self._seen = True
             self._changed.notify_all()
-
-    def _report(self, node: _Node, state: NodeState, reason: str) -> None:
-        node.reported = True
-        self._events.append(NodeEvent(node_id=node.node_id, state=state, reason=reason))
-        log.info("node ended", node=node.node_id, state=state.value, reason=reason)
-
-    def _take(self) -> list[NodeEvent]:
-        with self._lock:
-            now = time.monotonic()
-            stuck = []
-            for node in self._nodes.values():
-                why = self._cannot_start(node, now)
-                if why:
-                    self._report(node, NodeState.FAILED, why)
-                    stuck.append(node)
-            events, self._events = self._events, []
-        if stuck:  # what cannot start must not hold a node's resources, or wait for ever
-            self._delete(stuck)
-        return events
-
-    def _sleep(self, remaining: float) -> None:
-        with self._lock:
-            if not self._events:
-                self._changed.wait(min(remaining, 0.5))
