@@ -27,6 +27,11 @@ The node table, ids, events and excluded hosts are the scheduler engine's
 a node's host is the one its pod is bound to, as the watches see it. The watches run on
 threads of their own: they write what they see into each node's :class:`_Pod`, under a lock,
 and :meth:`KubernetesScheduler.observe` turns that into events.
+
+Why one module: it is one backend of the engine, and what it adds to it is one idea, a node
+as a pod that the watches follow; `launch` and `replace` extend the engine's templates because
+a job's pods are created together (``parallelism`` at once) and a launch or a replacement ends
+only once its pods run, which is where Kubernetes says what cannot start.
 """
 
 from __future__ import annotations
