@@ -24,6 +24,10 @@ the master's own finding (``master.heartbeat_timeout``).
 Launched nodes that find no free Ray node wait, ``pending``, and start as soon as one joins
 the cluster. A replacement with no free Ray node is an error, on which the master shrinks an
 elastic job or stops it with that reason.
+
+The node table, ids, exclusion, the event queue and the launch, replace and stop templates are
+the scheduler engine's (:mod:`planaria.scheduler.engine`); what is here is what Ray does
+differently: choosing a free Ray node, starting and watching an actor, stopping it.
 """
 
 from __future__ import annotations
@@ -31,24 +35,15 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-import uuid
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from planaria import leftovers
 from planaria.errors import ConfigIssue
 from planaria.log import get_logger
-from planaria.plugin import (
-    LaunchSpec,
-    NodeEvent,
-    NodeHandle,
-    NodeState,
-    Scheduler,
-    SchedulerError,
-    poll_events,
-)
+from planaria.plugin import LaunchSpec, NodeEvent, NodeHandle, NodeState, SchedulerError
 from planaria.protocol import HOST_ENV, NODE_ID_ENV
+from planaria.scheduler.engine import EngineNode, EngineScheduler, Unplaceable, exit_event
 from planaria.shm import TAG_ENV
 from planaria_ray import cluster
 from planaria_ray.actor import NodeActor
@@ -65,12 +60,11 @@ _PENDING_LOOK = 0.5
 
 
 @dataclass(eq=False)
-class _Node:
-    node_id: str
-    spec: LaunchSpec
-    host: str = ""
-    """The Ray node id it runs on; empty while it waits for a free one."""
-    actor: Any = None
+class _Actor:
+    """A started node's actor (the engine's data of the node) and what is watched of it."""
+
+    handle: Any
+    """The actor; None for an adopted node whose actor was gone."""
     ready: Any = None
     """The reference ``ready()`` gives, until it came."""
     done: Any = None
@@ -80,25 +74,19 @@ class _Node:
     """When to ask ``wait()`` again, after Ray found the actor unreachable."""
     unreachable: bool = False
     """Ray found the actor unreachable (said once in the log, however long it lasts)."""
-    reported: bool = False
-    released: bool = False
-
-    @property
-    def name(self) -> str:
-        return f"planaria.{self.spec.run_id or 'run'}.{self.node_id}"
+    killed: bool = False
+    """Killed by this scheduler (``ray.kill`` once is enough)."""
 
 
-def _exit_event(node_id: str, code: int) -> NodeEvent:
-    if code == 0:
-        return NodeEvent(node_id=node_id, state=NodeState.SUCCEEDED)
-    if code < 0:
-        return NodeEvent(
-            node_id=node_id, state=NodeState.LOST, reason=f"the agent was killed by signal {-code}"
-        )
-    return NodeEvent(node_id=node_id, state=NodeState.FAILED, reason=f"exit code {code}")
+_RayNode = EngineNode[_Actor]
 
 
-class RayScheduler(Scheduler[RayOptions]):
+def _actor_name(spec: LaunchSpec, node_id: str) -> str:
+    """The detached actor's name, by which a restarted master finds it again."""
+    return f"planaria.{spec.run_id or 'run'}.{node_id}"
+
+
+class RayScheduler(EngineScheduler[RayOptions, _Actor]):
     """Nodes are actors on a Ray cluster (see the module docstring)."""
 
     name = "ray"
@@ -127,123 +115,38 @@ class RayScheduler(Scheduler[RayOptions]):
 
     def __init__(self, options: RayOptions) -> None:
         super().__init__(options)
-        self._nodes: dict[str, _Node] = {}
-        self._events: list[NodeEvent] = []
-        self._excluded: dict[str, str] = {}
-        self._next_number = 0
-        self._tag = uuid.uuid4().hex[:8]
         self._local: Any = None
         """The cluster started for this run, when there is no address."""
 
-    # -- the Scheduler interface --------------------------------------------------------
-
-    def launch(self, spec: LaunchSpec, count: int) -> list[NodeHandle]:
-        """Start ``count`` actors on free Ray nodes; those for which none is free wait."""
-        if count < 0:
-            raise SchedulerError(f"cannot launch {count} nodes: the count must be 0 or more")
-        if not spec.command:
-            raise SchedulerError("cannot launch nodes: the launch command is empty")
-        if count == 0:
-            return []
-        self.check_interrupted("cannot launch nodes")
-        self._connect(count)
-        free = self._free_hosts(set())
-        if not free and not any(cluster.fits(n, self.options.demand()) for n in self._live()):
-            raise SchedulerError(_no_fit(self.options, cluster.alive_nodes()))
-        started: list[_Node] = []
-        try:
-            for done in range(count):
-                self.check_interrupted(f"launching stopped after {done} of {count} nodes")
-                node = _Node(self._new_id(), spec)
-                self._nodes[node.node_id] = node
-                started.append(node)
-                if free:
-                    self._start(node, free.pop(0))
-        except BaseException:
-            self._terminate(started)
-            for node in started:
-                del self._nodes[node.node_id]
-            raise
-        return [self._handle(n) for n in started]
-
-    def poll(self, timeout: float) -> list[NodeEvent]:
-        """State changes since the last call; waits at most ``timeout`` for the first."""
-        return poll_events(timeout, self._take, self._wait)
-
-    def replace(self, node_id: str, *, exclude_host: bool) -> NodeHandle:
-        """Stop ``node_id`` and start its successor on another free Ray node (on the same
-        one only when none other is free, it is alive and not excluded)."""
-        self.check_interrupted(f"cannot replace {node_id}")
-        old = self._get(node_id)
-        if old.released:
-            raise SchedulerError(f"cannot replace {node_id}: it was already stopped or replaced")
-        if exclude_host and old.host:
-            self._exclude(old.host, f"node {node_id} was diagnosed faulty")
-        others = [h for h in self._free_hosts({old.host}) if h != old.host]
-        target = others[0] if others else None
-        if target is None and old.host and old.host not in self._excluded:
-            target = next((h for h in self._free_hosts(set(), but=old) if h == old.host), None)
-        if target is None:
-            raise SchedulerError(
-                f"cannot replace {node_id}: no free Ray node has "
-                f"{self.options.demand()} (one agent per node; excluded: "
-                f"{', '.join(sorted(self._excluded)) or 'none'}); add a node to the cluster"
-            )
-        self._release([old])
-        self._terminate([old])
-        new = _Node(self._new_id(), old.spec)
-        self._nodes[new.node_id] = new
-        self._start(new, target)
-        log.info("node replaced", node=node_id, replacement=new.node_id, ray_node=target)
-        return self._handle(new)
-
-    def stop(self, node_ids: list[str] | None = None) -> None:
-        """Stop the agents (SIGTERM, SIGKILL after ``stop_grace``) and kill their actors.
-        Stopping everything also ends a local cluster started for this run."""
-        if node_ids is None:
-            targets = list(self._nodes.values())
-        else:
-            targets = [self._get(node_id) for node_id in dict.fromkeys(node_ids)]
-        self._release(targets)
-        self._terminate(targets)
-        if node_ids is None and self._local is not None:
-            cluster.import_ray().shutdown()
-            self._local.shutdown()
-            self._local = None
+    # -- the Scheduler interface, beyond the engine's --------------------------------------
 
     def adopt(self, spec: LaunchSpec, handles: list[NodeHandle], excluded: set[str]) -> None:
         """Find the actors of a restarted master's nodes again, by name (they are detached);
-        one that is gone is reported lost by the next poll."""
+        one that is gone is reported lost by the next poll, one that waited for a free Ray
+        node waits again."""
         ray = cluster.import_ray()
         self._connect(len(handles))
-        for host in excluded:
-            self._excluded.setdefault(host, "excluded by an earlier master")
+        self.keep_excluded(excluded)
         for handle in handles:
-            number = handle.node_id.removeprefix("node-")
-            if number.isdigit():
-                self._next_number = max(self._next_number, int(number) + 1)
-            node = _Node(handle.node_id, spec, host=handle.host)
-            self._nodes[node.node_id] = node
             if handle.state is NodeState.LOST:
-                node.reported = True
+                self.add_adopted(handle, spec, None)
                 continue
+            name = _actor_name(spec, handle.node_id)
             try:
-                node.actor = ray.get_actor(node.name, namespace=self.options.namespace)
+                actor = ray.get_actor(name, namespace=self.options.namespace)
             except ValueError:
-                node.reported = True
-                self._events.append(
-                    NodeEvent(
-                        node_id=node.node_id,
-                        state=NodeState.LOST,
-                        reason=f"its actor {node.name} is gone (ended while no master watched)",
-                    )
+                if handle.host in ("", "pending"):  # it never started: it waits again
+                    self.add_adopted(handle, spec, None)
+                    continue
+                node = self.add_adopted(handle, spec, _Actor(None, killed=True))
+                self.report(
+                    node,
+                    NodeState.LOST,
+                    f"its actor {name} is gone (ended while no master watched)",
                 )
                 continue
-            node.done = node.actor.wait.remote()
-            log.info("node adopted", node=node.node_id, ray_node=node.host)
-
-    def excluded_hosts(self) -> set[str]:
-        return set(self._excluded)
+            self.add_adopted(handle, spec, _Actor(actor, done=actor.wait.remote()))
+            log.info("node adopted", node=handle.node_id, ray_node=handle.host)
 
     def node_addresses(self) -> list[str]:
         """Where the agents will run: once the cluster is joined (``planaria run`` joins it
@@ -267,7 +170,15 @@ class RayScheduler(Scheduler[RayOptions]):
             found.append(cluster.gcs_endpoint(self.options.address)[0])
         return list(dict.fromkeys(found))
 
-    # -- the cluster ----------------------------------------------------------------------
+    # -- checks -----------------------------------------------------------------------------
+
+    def check_room(self, count: int) -> None:
+        """Join the cluster (or start the local one), and refuse a launch no live Ray node can
+        hold an agent of: its actor would wait for ever."""
+        self._connect(count)
+        live = cluster.alive_nodes()
+        if not any(cluster.fits(n, self.options.demand()) for n in live):
+            raise SchedulerError(_no_fit(self.options, live))
 
     def _connect(self, count: int) -> None:
         ray = cluster.import_ray()
@@ -278,54 +189,41 @@ class RayScheduler(Scheduler[RayOptions]):
         else:
             cluster.join(self.options)
 
-    def _live(self) -> list[dict[str, Any]]:
-        return cluster.alive_nodes()
+    # -- placement --------------------------------------------------------------------------
 
-    def _free_hosts(self, also_taken: set[str], but: _Node | None = None) -> list[str]:
-        """Live Ray nodes with the agent's resources, not excluded, holding no node of ours
-        (``but`` not counted)."""
+    def place(
+        self, node: _RayNode, avoid: frozenset[str], replacing: _RayNode | None
+    ) -> str | None:
+        """A live Ray node with the agent's resources, outside ``avoid``, holding no node of
+        ours; a replacement goes to its predecessor's Ray node only when no other is free,
+        and finding none is an error (the master shrinks the job or stops it)."""
+        avoid = avoid | self.excluded_hosts()
         taken = {
-            n.host for n in self._nodes.values() if not n.released and n.host and n is not but
-        } | also_taken
+            n.host for n in self.nodes.values() if not n.released and n.host and n is not replacing
+        }
         demand = self.options.demand()
-        return [
-            n["NodeID"]
-            for n in self._live()
-            if n["NodeID"] not in taken
-            and n["NodeID"] not in self._excluded
-            and cluster.fits(n, demand)
+        free = [
+            str(n["NodeID"])
+            for n in cluster.alive_nodes()
+            if n["NodeID"] not in taken and n["NodeID"] not in avoid and cluster.fits(n, demand)
         ]
+        if replacing is None:
+            return free[0] if free else None
+        if not free:
+            raise Unplaceable(
+                f"no free Ray node has {demand} (one agent per node; excluded: "
+                f"{', '.join(sorted(avoid)) or 'none'}); add a node to the cluster"
+            )
+        return sorted(free, key=lambda host: host == replacing.host)[0]
 
-    def _exclude(self, host: str, why: str) -> None:
-        if host not in self._excluded:
-            self._excluded[host] = why
-            log.warning("ray node excluded", ray_node=host, why=why)
+    # -- actors -----------------------------------------------------------------------------
 
-    # -- actors ---------------------------------------------------------------------------
-
-    def _new_id(self) -> str:
-        node_id = f"node-{self._next_number}"
-        self._next_number += 1
-        return node_id
-
-    def _get(self, node_id: str) -> _Node:
-        node = self._nodes.get(node_id)
-        if node is None:
-            raise SchedulerError(f"unknown node {node_id!r}: this ray scheduler never started it")
-        return node
-
-    def _handle(self, node: _Node) -> NodeHandle:
-        return NodeHandle(
-            node_id=node.node_id,
-            host=node.host or "pending",
-            data={"actor": node.name, "namespace": self.options.namespace},
-        )
-
-    def _start(self, node: _Node, host: str) -> None:
+    def start(self, node: _RayNode) -> _Actor:
+        """Create the node's actor on the chosen Ray node; it starts the agent."""
         ray = cluster.import_ray()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        spec = node.spec
+        spec, host, name = node.spec, node.host, _actor_name(node.spec, node.node_id)
         # The token travels here, in the runtime environment, never on a command line.
         env = {**spec.env, NODE_ID_ENV: node.node_id, HOST_ENV: host}
         marker = os.environ.get(leftovers.VARIABLE)
@@ -339,7 +237,7 @@ class RayScheduler(Scheduler[RayOptions]):
             "max_restarts": 0,
             "max_task_retries": 0,
             "max_concurrency": 4,
-            "name": node.name,
+            "name": name,
             "namespace": self.options.namespace,
             "runtime_env": {"env_vars": env},
             "scheduling_strategy": NodeAffinitySchedulingStrategy(host, soft=False),
@@ -353,137 +251,101 @@ class RayScheduler(Scheduler[RayOptions]):
         actor_class = ray.remote(NodeActor)
         log_dir = None if spec.log_dir is None else str(spec.log_dir)
         try:
-            node.actor = actor_class.options(**options).remote(
+            handle = actor_class.options(**options).remote(
                 list(spec.command), node.node_id, log_dir, LINGER, sorted(env)
             )
         except Exception as exc:
             raise SchedulerError(f"cannot create the actor of {node.node_id}: {exc}") from exc
-        node.host = host
-        node.since = time.monotonic()
-        node.ready = node.actor.ready.remote()
-        node.done = node.actor.wait.remote()
-        log.info("node started", node=node.node_id, ray_node=host, actor=node.name)
+        log.info("node started", node=node.node_id, ray_node=host, actor=name)
+        return _Actor(handle, ready=handle.ready.remote(), done=handle.wait.remote())
 
-    def _take(self) -> list[NodeEvent]:
-        self._start_waiting()
-        self._ask_again()
-        self._observe()
-        events, self._events = self._events, []
-        return events
+    def handle_data(self, node: _RayNode) -> dict[str, str]:
+        """The actor's name and namespace: a restarted master finds it by them."""
+        return {"actor": _actor_name(node.spec, node.node_id), "namespace": self.options.namespace}
 
-    def _watched(self) -> list[_Node]:
-        return [n for n in self._nodes.values() if not n.released and not n.reported and n.actor]
-
-    def _refs(self) -> list[Any]:
-        refs = []
-        for node in self._watched():
-            refs += [r for r in (node.ready, node.done) if r is not None]
-        return refs
-
-    def _observe(self) -> None:
-        ray = cluster.import_ray()
-        refs = self._refs()
-        if not refs:
-            return
-        came, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=True)
-        came = set(came)
+    def observe(self) -> list[NodeEvent]:
+        """What the ``ready()`` and ``wait()`` references of the watched actors say."""
+        watched = self.live()
         now = time.monotonic()
-        for node in self._watched():
-            if node.ready is not None and node.ready in came:
-                ref, node.ready = node.ready, None
+        for node in watched:  # ask again those Ray found unreachable
+            actor = _data(node)
+            if actor.ask_at is not None and now >= actor.ask_at:
+                actor.ask_at = None
+                actor.done = actor.handle.wait.remote()
+        refs = _refs(watched)
+        if not refs:
+            return []
+        ray = cluster.import_ray()
+        came = set(ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=True)[0])
+        events: list[NodeEvent] = []
+        for node in watched:
+            actor = _data(node)
+            if actor.ready is not None and actor.ready in came:
+                ref, actor.ready = actor.ready, None
                 try:
                     where = ray.get(ref)
                 except Exception as exc:
-                    self._report(node, NodeState.FAILED, _why(exc))
+                    events.append(self._ended(node, NodeState.FAILED, _why(exc)))
                     self._kill(node)  # its actor must not hold the Ray node's resources
                     continue
-                self._events.append(NodeEvent(node_id=node.node_id, state=NodeState.RUNNING))
+                events.append(NodeEvent(node_id=node.node_id, state=NodeState.RUNNING))
                 log.info("node running", node=node.node_id, **where)
-            if node.done is not None and node.done in came:
+            if actor.done is not None and actor.done in came:
                 try:
-                    code = ray.get(node.done)
+                    code = ray.get(actor.done)
                 except Exception as exc:
                     if isinstance(exc, ray.exceptions.ActorUnavailableError):
                         # Unreachable, for now: its raylet may be gone, or a link down for a
                         # moment. Ray says which once the GCS knows (ActorDiedError, its node
                         # then no longer alive, so that a replacement cannot go there).
-                        node.done, node.ask_at = None, now + _PENDING_LOOK
-                        if not node.unreachable:
-                            node.unreachable = True
+                        actor.done, actor.ask_at = None, now + _PENDING_LOOK
+                        if not actor.unreachable:
+                            actor.unreachable = True
                             log.info("node unreachable", node=node.node_id, reason=_why(exc))
                         continue
-                    self._report(node, NodeState.LOST, _why(exc))
+                    events.append(self._ended(node, NodeState.LOST, _why(exc)))
                     continue
-                event = _exit_event(node.node_id, code)
-                self._report(node, event.state, event.reason)
+                event = exit_event(node.node_id, code, who="the agent")
+                events.append(self._ended(node, event.state, event.reason))
                 self._kill(node)  # its agent ended: the actor has nothing left to do
-            elif node.ready is not None and now - node.since > self.options.start_timeout:
-                self._report(
-                    node,
-                    NodeState.FAILED,
+            elif actor.ready is not None and now - actor.since > self.options.start_timeout:
+                why = (
                     f"its actor did not start on Ray node {node.host} within "
                     f"{self.options.start_timeout:g}s (resources taken, or the node cannot "
-                    "start it)",
+                    "start it)"
                 )
+                events.append(self._ended(node, NodeState.FAILED, why))
                 self._kill(node)
+        return events
 
-    def _report(self, node: _Node, state: NodeState, reason: str) -> None:
-        node.reported = True
-        node.ready = None
-        self._events.append(NodeEvent(node_id=node.node_id, state=state, reason=reason))
+    def _ended(self, node: _RayNode, state: NodeState, reason: str) -> NodeEvent:
+        _data(node).ready = None
         log.info("node ended", node=node.node_id, state=state.value, reason=reason)
+        return NodeEvent(node_id=node.node_id, state=state, reason=reason)
 
-    def _ask_again(self) -> None:
-        now = time.monotonic()
-        for node in self._watched():
-            if node.ask_at is not None and now >= node.ask_at:
-                node.ask_at = None
-                node.done = node.actor.wait.remote()
-
-    def _start_waiting(self) -> None:
-        waiting = [n for n in self._nodes.values() if not n.released and not n.actor]
-        if not waiting or self.interrupted:
-            return
-        free = self._free_hosts(set())
-        for node in waiting[: len(free)]:
-            self._start(node, free.pop(0))
-
-    def _wait(self, remaining: float) -> None:
-        ray = cluster.import_ray()
-        if any(not n.released and not n.actor for n in self._nodes.values()) or any(
-            n.ask_at is not None for n in self._watched()
+    def wait(self, remaining: float) -> None:
+        """Until a watched reference comes, at most ``remaining`` seconds; at most
+        ``_PENDING_LOOK`` while a node waits for a free Ray node or is to be asked again."""
+        watched = self.live()
+        if any(n.waiting for n in self.nodes.values()) or any(
+            _data(n).ask_at is not None for n in watched
         ):
             remaining = min(remaining, _PENDING_LOOK)
-        refs = self._refs()
+        refs = _refs(watched)
         if refs:
-            ray.wait(refs, num_returns=1, timeout=remaining, fetch_local=False)
+            cluster.import_ray().wait(refs, num_returns=1, timeout=remaining, fetch_local=False)
         else:
             time.sleep(remaining)
 
-    def _release(self, nodes: Iterable[_Node]) -> None:
-        ids = set()
-        for node in nodes:
-            node.released = True
-            ids.add(node.node_id)
-        self._events = [e for e in self._events if e.node_id not in ids]
-
-    def _kill(self, node: _Node) -> None:
-        if node.actor is None:
-            return
-        ray = cluster.import_ray()
-        try:
-            ray.kill(node.actor, no_restart=True)
-        except Exception as exc:  # already gone with its node
-            log.info("actor already gone", node=node.node_id, error=str(exc))
-
-    def _terminate(self, nodes: list[_Node]) -> None:
-        """Stop the agents through their actors, then kill the actors."""
-        live = [n for n in nodes if n.actor is not None]
+    def terminate(self, nodes: list[_RayNode], grace: float) -> None:
+        """Stop the agents through their actors (SIGTERM, SIGKILL after ``grace``), then kill
+        the actors. Those killed already are asked too: the answer (Ray's actor-died error)
+        comes once the actor is gone, and with it its name, which a later node may take."""
+        live = [n for n in nodes if n.data is not None and n.data.handle is not None]
         if not live:
             return
         ray = cluster.import_ray()
-        grace = self.options.stop_grace
-        stops = [n.actor.stop.remote(grace) for n in live]
+        stops = [_data(n).handle.stop.remote(grace) for n in live]
         try:
             ray.wait(stops, num_returns=len(stops), timeout=grace + _STOP_EXTRA)
         except Exception as exc:
@@ -491,6 +353,33 @@ class RayScheduler(Scheduler[RayOptions]):
         for node in live:
             self._kill(node)
             log.info("node stopped", node=node.node_id)
+
+    def after_stop(self, nodes: list[_RayNode], everything: bool) -> None:
+        """Stopping everything also ends a local cluster started for this run."""
+        if everything and self._local is not None:
+            cluster.import_ray().shutdown()
+            self._local.shutdown()
+            self._local = None
+
+    def _kill(self, node: _RayNode) -> None:
+        actor = _data(node)
+        if actor.killed:
+            return
+        actor.killed = True
+        try:
+            cluster.import_ray().kill(actor.handle, no_restart=True)
+        except Exception as exc:  # already gone with its node
+            log.info("actor already gone", node=node.node_id, error=str(exc))
+
+
+def _data(node: _RayNode) -> _Actor:
+    assert node.data is not None, node.node_id
+    return node.data
+
+
+def _refs(nodes: list[_RayNode]) -> list[Any]:
+    """The references still awaited of these nodes' actors."""
+    return [r for n in nodes for r in (_data(n).ready, _data(n).done) if r is not None]
 
 
 def _why(exc: BaseException) -> str:
