@@ -4,7 +4,8 @@
 
     from planaria.plugin import HealthCheck, HealthCheckRecord, DeviceResult, Status, hookimpl
 
-Each name lives in its kind's ``api`` module (``planaria.health.api``, ``planaria.scheduler.api``,
+Each name lives in its kind's ``api`` module (``planaria.health.api``, ``planaria.scheduler.api``
+and the engine a scheduler runs on, ``planaria.scheduler.engine``,
 ``planaria.storage.api``, ``planaria.node_benchmark.api``, ``planaria.fault_pattern.api``; the
 errors a plugin raises, and the ``ConfigError`` its bad options are, from ``planaria.errors``);
 this module hands them out on first use, so that importing the markers loads no kind at all.
@@ -44,6 +45,7 @@ _HOME = {
         "SubmitResult",
         "poll_events",
     ),
+    "planaria.scheduler.engine": ("EngineNode", "EngineScheduler", "Unplaceable", "exit_event"),
     "planaria.storage.api": ("CheckpointStorage", "CheckpointStorageRecord", "split_key"),
     "planaria.node_benchmark.api": (
         "BenchmarkContext",
@@ -83,6 +85,8 @@ __all__ = [
     "ConfigError",
     "ConfigIssue",
     "DeviceResult",
+    "EngineNode",
+    "EngineScheduler",
     "EventKind",
     "FaultClass",
     "FaultKind",
@@ -108,6 +112,8 @@ __all__ = [
     "StorageError",
     "SubmitRequest",
     "SubmitResult",
+    "Unplaceable",
+    "exit_event",
     "hookimpl",
     "hookspec",
     "match",
@@ -173,4 +179,5 @@ if TYPE_CHECKING:
         SubmitResult,
         poll_events,
     )
+    from planaria.scheduler.engine import EngineNode, EngineScheduler, Unplaceable, exit_event
     from planaria.storage.api import CheckpointStorage, CheckpointStorageRecord, split_key

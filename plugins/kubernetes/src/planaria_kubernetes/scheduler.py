@@ -47,8 +47,15 @@ from typing import Any
 from planaria import leftovers
 from planaria.errors import ConfigIssue
 from planaria.log import get_logger
-from planaria.plugin import LaunchSpec, NodeEvent, NodeHandle, NodeState, SchedulerError
-from planaria.scheduler.engine import EngineNode, EngineScheduler
+from planaria.plugin import (
+    EngineNode,
+    EngineScheduler,
+    LaunchSpec,
+    NodeEvent,
+    NodeHandle,
+    NodeState,
+    SchedulerError,
+)
 from planaria.shm import TAG_ENV
 from planaria_kubernetes import api, pods
 from planaria_kubernetes.informer import Informer

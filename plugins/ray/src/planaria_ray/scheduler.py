@@ -41,9 +41,18 @@ from typing import Any
 from planaria import leftovers
 from planaria.errors import ConfigIssue
 from planaria.log import get_logger
-from planaria.plugin import LaunchSpec, NodeEvent, NodeHandle, NodeState, SchedulerError
+from planaria.plugin import (
+    EngineNode,
+    EngineScheduler,
+    LaunchSpec,
+    NodeEvent,
+    NodeHandle,
+    NodeState,
+    SchedulerError,
+    Unplaceable,
+    exit_event,
+)
 from planaria.protocol import HOST_ENV, NODE_ID_ENV
-from planaria.scheduler.engine import EngineNode, EngineScheduler, Unplaceable, exit_event
 from planaria.shm import TAG_ENV
 from planaria_ray import cluster
 from planaria_ray.actor import NodeActor
