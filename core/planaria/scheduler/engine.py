@@ -248,11 +248,18 @@ class EngineScheduler(Scheduler[OptionsT], Generic[OptionsT, DataT]):
         """Started nodes the caller still holds that have not ended."""
         return [n for n in self.nodes.values() if n.started and not n.released and not n.ended]
 
-    def keep_excluded(self, hosts: Iterable[str]) -> None:
-        """Exclude the hosts a master before this one excluded (for :meth:`adopt`): they were
-        reported to the cluster manager then, so :meth:`on_exclude` is not called again."""
+    def keep_excluded(
+        self, hosts: Iterable[str], why: str = "excluded before the master restarted"
+    ) -> None:
+        """Exclude the hosts a master before this one excluded (for :meth:`adopt`, or a run
+        before this one that remembered them): they were reported to the cluster manager then,
+        so :meth:`on_exclude` is not called again."""
         for host in hosts:
-            self._excluded.setdefault(host, "excluded before the master restarted")
+            self._excluded.setdefault(host, why)
+
+    def exclusions(self) -> dict[str, str]:
+        """The excluded hosts, each with why: for a backend's messages."""
+        return dict(self._excluded)
 
     def add_adopted(
         self, handle: NodeHandle, spec: LaunchSpec, data: DataT | None

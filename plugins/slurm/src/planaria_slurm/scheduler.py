@@ -13,9 +13,12 @@ The allocation's nodes beyond the job's are spares: a replacement goes to a free
 and back to the old node only when that node is sound. The job token reaches the agents only
 through the environment (srun exports it), never a command line.
 
-This module is longer than most: the step's life (start, watch, stop) is one idea, and the
-Slurm facts it relies on are stated where they are used. Submission is in
-:mod:`planaria_slurm.submit`, and the nodes remembered bad in :mod:`planaria_slurm.state`.
+The scheduler engine (:mod:`planaria.scheduler.engine`) keeps the nodes, their ids and
+events, the excluded hosts and the one-thread rule; this module places nodes on the
+allocation's hosts and starts, watches and stops their steps. The step's life (start, watch,
+stop) is one idea, and the Slurm facts it relies on are stated where they are used.
+Submission is in :mod:`planaria_slurm.submit`, and the nodes remembered bad in
+:mod:`planaria_slurm.state`.
 """
 
 from __future__ import annotations
@@ -25,10 +28,8 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,18 +37,16 @@ from planaria import process
 from planaria.errors import ConfigIssue
 from planaria.log import get_logger
 from planaria.plugin import (
-    LaunchSpec,
     NodeEvent,
-    NodeHandle,
     NodeState,
-    Scheduler,
     SchedulerError,
     SubmitRequest,
     SubmitResult,
-    poll_events,
 )
 from planaria.protocol import HOST_ENV, NODE_ID_ENV
+from planaria.scheduler.engine import EngineNode, EngineScheduler, Unplaceable, exit_event
 from planaria_slurm import commands, state, submit
+from planaria_slurm.commands import NodeStatus
 from planaria_slurm.options import SlurmOptions
 from planaria_slurm.watch import Snapshot, Watcher
 
@@ -61,37 +60,23 @@ _CLEANUP_TIMEOUT = 60.0
 
 @dataclass(eq=False)
 class _Step:
-    node_id: str
-    host: str
-    spec: LaunchSpec
+    """A started node's job step: the engine's data of a Slurm node."""
+
     name: str
     """The step's name (srun --job-name), by which squeue shows its id."""
     proc: subprocess.Popen[bytes]
     pidfd: int | None
     step_id: str | None = None
-    reported: bool = False
-    """A terminal event was given: nothing more is said about it."""
     exited: float | None = None
     """When its srun was seen to end, while the report waits for Slurm's next word on the
     node: srun exits 0 on "Node failure", so its status alone cannot tell a loss."""
-    released: bool = False
-    """Stopped or replaced: the caller let go of it."""
 
     @property
     def reaped(self) -> bool:
         return self.proc.returncode is not None
 
 
-def _exit_event(node_id: str, returncode: int) -> NodeEvent:
-    if returncode == 0:
-        return NodeEvent(node_id=node_id, state=NodeState.SUCCEEDED)
-    if returncode < 0 or returncode > 128:
-        # srun exits 128+N when its task was killed by signal N; negative: srun itself was.
-        number = -returncode if returncode < 0 else returncode - 128
-        name = process.signal_name(number)
-        who = "srun" if returncode < 0 else "the agent"
-        return NodeEvent(node_id=node_id, state=NodeState.LOST, reason=f"{who} killed by {name}")
-    return NodeEvent(node_id=node_id, state=NodeState.FAILED, reason=f"exit code {returncode}")
+_SlurmNode = EngineNode[_Step]
 
 
 def allocation(options: SlurmOptions) -> str | None:
@@ -111,11 +96,14 @@ def allocation_addresses(job_id: str | None) -> list[str]:
         return []
 
 
-class SlurmScheduler(Scheduler[SlurmOptions]):
+class SlurmScheduler(EngineScheduler[SlurmOptions, _Step]):
     """Nodes are job steps of a Slurm allocation (see the module docstring)."""
 
     name = "slurm"
     nodes_here = False
+    owner_thread = (
+        "each srun dies with the thread that started it (PR_SET_PDEATHSIG), and its step with it"
+    )
 
     @classmethod
     def capacity_issues(
@@ -166,114 +154,15 @@ class SlurmScheduler(Scheduler[SlurmOptions]):
 
     def __init__(self, options: SlurmOptions) -> None:
         super().__init__(options)
-        self._steps: dict[str, _Step] = {}
-        self._events: list[NodeEvent] = []
-        self._excluded: dict[str, str] = {}
-        """Hosts this job uses no more, and why."""
-        self._next_number = 0
         self._tag = uuid.uuid4().hex[:8]
         self._job_id: str | None = None
         self._pool: list[str] = []
         self._watcher: Watcher | None = None
-        self._owner: threading.Thread | None = None
+        self._states: dict[str, NodeStatus] = {}
+        """What Slurm said of the nodes when the current launch began: it places them all."""
         self._background: list[subprocess.Popen[Any]] = []
         self._used: dict[str, set[str]] = {}
         """Host -> the (run id, node id) ... of every node that ran there: cleaned at stop."""
-
-    # -- the Scheduler interface --------------------------------------------------------
-
-    def launch(self, spec: LaunchSpec, count: int) -> list[NodeHandle]:
-        """Start ``count`` steps on free, sound nodes of the allocation; all or nothing."""
-        if count < 0:
-            raise SchedulerError(f"cannot launch {count} nodes: the count must be 0 or more")
-        self._check_thread()
-        if not spec.command:
-            raise SchedulerError("cannot launch nodes: the launch command is empty")
-        if count == 0:
-            return []
-        self.check_interrupted("cannot launch nodes")
-        self._attach()
-        free = self._free_hosts(set())
-        if len(free) < count:
-            raise SchedulerError(self._shortage(count, len(free)))
-        started: list[_Step] = []
-        try:
-            for done, host in enumerate(free[:count]):
-                self.check_interrupted(f"launching stopped after {done} of {count} nodes")
-                started.append(self._start(spec, host, self._new_id()))
-        except BaseException:
-            self._terminate(started, grace=0.0)
-            for step in started:
-                del self._steps[step.node_id]
-            raise
-        return [NodeHandle(node_id=s.node_id, host=s.host) for s in started]
-
-    def poll(self, timeout: float) -> list[NodeEvent]:
-        """State changes since the last call; waits at most ``timeout`` seconds for the
-        first. A step's end is seen at once (its srun exits); a node Slurm reports bad within
-        ``watch_interval``."""
-        return poll_events(timeout, self._take, self._wait)
-
-    def _take(self) -> list[NodeEvent]:
-        self._reap()
-        self._observe()
-        events, self._events = self._events, []
-        return events
-
-    def replace(self, node_id: str, *, exclude_host: bool) -> NodeHandle:
-        """Stop ``node_id`` and start a node on a free spare (or, when none is free and the
-        old node is sound, on the old node again). A host Slurm reports bad is excluded like
-        one asked to be. No node to go to: :class:`SchedulerError`, after requeueing the batch
-        job with the bad nodes excluded when the ``requeue`` option is on."""
-        self._check_thread()
-        self.check_interrupted(f"cannot replace {node_id}")
-        old = self._get(node_id)
-        if old.released:
-            raise SchedulerError(f"cannot replace {node_id}: it was already stopped or replaced")
-        bad = self._bad_hosts().get(old.host)
-        exclude = exclude_host or bad is not None
-        others = [h for h in self._free_hosts({old.host}) if h != old.host]
-        target = others[0] if others else None
-        if target is None and not exclude and old.host not in self._excluded:
-            target = old.host
-        if exclude:
-            self._exclude(old.host, bad or f"node {node_id} was diagnosed faulty")
-        if target is None:
-            message = (
-                f"cannot replace {node_id}: no spare node is left in Slurm job {self._job_id} "
-                f"(nodes {', '.join(self._pool)}; excluded: "
-                f"{', '.join(sorted(self._excluded)) or 'none'})"
-            )
-            if self.options.requeue:
-                message += "; " + self._requeue()
-            raise SchedulerError(message)
-        self._release([old])
-        self._terminate([old], grace=self.options.stop_grace)
-        new = self._start(old.spec, target, self._new_id())
-        log.info("node replaced", node=node_id, replacement=new.node_id, host=target)
-        return NodeHandle(node_id=new.node_id, host=new.host)
-
-    def stop(self, node_ids: list[str] | None = None) -> None:
-        """Cancel the steps (SIGTERM, SIGKILL after ``stop_grace``) and return once they and
-        their sruns are gone. Stopping everything also removes what the job's nodes left in
-        their /dev/shm (a cleanup step per node used) and ends the watcher thread."""
-        if node_ids is None:
-            targets = list(self._steps.values())
-        else:
-            targets = [self._get(node_id) for node_id in dict.fromkeys(node_ids)]
-        self._release(targets)
-        self._terminate(targets, grace=self.options.stop_grace)
-        if node_ids is None:
-            self._cleanup_shm()
-            if self._watcher is not None:
-                self._watcher.close()
-                self._watcher = None
-            for proc in self._background:
-                proc.wait()
-            self._background.clear()
-
-    def excluded_hosts(self) -> set[str]:
-        return set(self._excluded)
 
     def node_addresses(self) -> list[str]:
         """Where Slurm reaches the allocation's nodes (their ``NodeAddr``); none outside an
@@ -281,6 +170,15 @@ class SlurmScheduler(Scheduler[SlurmOptions]):
         return allocation_addresses(allocation(self.options))
 
     # -- the allocation -----------------------------------------------------------------
+
+    def check_room(self, count: int) -> None:
+        """Find the allocation (once), and ask Slurm once for the whole launch which of its
+        nodes are sound: too few free ones refuse the launch before any step starts."""
+        self._attach()
+        self._states = self._node_states()
+        free = self._free_hosts(frozenset(self.excluded_hosts()), self._states)
+        if len(free) < count:
+            raise SchedulerError(self._shortage(count, len(free)))
 
     def _attach(self) -> None:
         """Find the allocation and its nodes, once."""
@@ -299,7 +197,8 @@ class SlurmScheduler(Scheduler[SlurmOptions]):
         self._job_id = job_id
         for host, why in state.load(self.options.state_dir).items():
             if host in self._pool:
-                self._excluded[host] = why
+                # Remembered (and drained, with `drain`) by that run: not reported again.
+                self.keep_excluded([host], why)
                 log.warning("node excluded: found bad by an earlier run", host=host, why=why)
         self._watch()
 
@@ -309,19 +208,11 @@ class SlurmScheduler(Scheduler[SlurmOptions]):
             self._job_id,
             self._pool,
             self.options.watch_interval,
-            eager=lambda: any(s.step_id is None for s in self._live()) or bool(self._pending()),
+            eager=lambda: (
+                any(n.data.step_id is None for n in self._unreaped() if n.data)
+                or bool(self._pending())
+            ),
         )
-
-    def _live(self) -> list[_Step]:
-        return [s for s in list(self._steps.values()) if not s.released and not s.reaped]
-
-    def _pending(self) -> list[_Step]:
-        """Steps whose srun ended, not reported yet."""
-        return [
-            s
-            for s in list(self._steps.values())
-            if s.exited is not None and not s.reported and not s.released
-        ]
 
     def _bad_hosts(self) -> dict[str, str]:
         """Hosts of the allocation Slurm now reports unusable, with why."""
@@ -330,22 +221,27 @@ class SlurmScheduler(Scheduler[SlurmOptions]):
         nodes = self._watcher.snapshot.nodes
         return {h: nodes[h].describe() for h in self._pool if h in nodes and not nodes[h].usable}
 
-    def _free_hosts(self, also_taken: set[str]) -> list[str]:
-        """Nodes with no live step of ours, not excluded, and sound as far as Slurm says."""
-        taken = {s.host for s in self._steps.values() if not s.released} | also_taken
+    def _node_states(self) -> dict[str, NodeStatus]:
+        """What Slurm says of the allocation's nodes now; the watcher's last look when Slurm
+        cannot be asked."""
         try:
-            states = commands.node_states(self._pool)
+            return commands.node_states(self._pool)
         except SchedulerError as exc:
             log.warning("cannot read node states; trusting the last ones", error=str(exc))
-            states = self._watcher.snapshot.nodes if self._watcher else {}
-        return [
-            h
-            for h in self._pool
-            if h not in taken and h not in self._excluded and (h not in states or states[h].usable)
-        ]
+            return self._watcher.snapshot.nodes if self._watcher else {}
+
+    def _free_hosts(self, avoid: frozenset[str], states: dict[str, NodeStatus]) -> list[str]:
+        """Nodes that no node of ours holds (one that ended holds its node until it is
+        stopped or replaced), outside ``avoid``, and sound as far as Slurm says."""
+        taken = {n.host for n in self.nodes.values() if n.host and not n.released} | avoid
+        return [h for h in self._pool if h not in taken and self._sound(h, states)]
+
+    def _sound(self, host: str, states: dict[str, NodeStatus]) -> bool:
+        """Not excluded, and usable as far as Slurm says."""
+        return host not in self.excluded_hosts() and (host not in states or states[host].usable)
 
     def _shortage(self, count: int, free: int) -> str:
-        excluded = ", ".join(f"{h} ({why})" for h, why in sorted(self._excluded.items()))
+        excluded = ", ".join(f"{h} ({why})" for h, why in sorted(self.exclusions().items()))
         return (
             f"cannot launch {count} node(s): Slurm job {self._job_id} has {len(self._pool)} "
             f"node(s) ({', '.join(self._pool)}), of which {free} are free and sound"
@@ -353,11 +249,38 @@ class SlurmScheduler(Scheduler[SlurmOptions]):
             + ": allocate more nodes, or ask for fewer (job.nodes)"
         )
 
-    def _exclude(self, host: str, why: str) -> None:
-        if host in self._excluded:
-            return
-        self._excluded[host] = why
-        log.warning("node excluded", host=host, why=why)
+    def place(self, node: _SlurmNode, avoid: frozenset[str], replacing: _SlurmNode | None) -> str:
+        """A free, sound node of the allocation outside ``avoid``; for a replacement a free
+        spare first, else the old node when it is sound and not excluded. The old node's host
+        is excluded here when Slurm reports it bad or the caller asked: before a requeue,
+        which must leave it out. No node to go to: :class:`Unplaceable`, after requeueing
+        the batch job with the ``requeue`` option."""
+        if replacing is None:
+            states = self._states  # the launch's one look (check_room)
+        else:
+            old = replacing
+            bad = self._bad_hosts().get(old.host)
+            if bad is not None:
+                self.exclude(old.host, bad)
+            elif old.host in avoid:
+                self.exclude(old.host, f"node {old.node_id} was diagnosed faulty")
+            states = self._node_states()
+        free = self._free_hosts(avoid, states)
+        if free:
+            return free[0]
+        if replacing is not None and self._sound(replacing.host, states):
+            return replacing.host
+        message = (
+            f"no spare node is left in Slurm job {self._job_id} (nodes {', '.join(self._pool)}; "
+            f"excluded: {', '.join(sorted(self.excluded_hosts())) or 'none'})"
+        )
+        if replacing is not None and self.options.requeue:
+            message += "; " + self._requeue()
+        raise Unplaceable(message)
+
+    def on_exclude(self, host: str, why: str) -> None:
+        """Remember the node bad, for later submissions of the job; with ``drain``, drain it,
+        so that no other job lands on it either."""
         state.remember(self.options.state_dir, host, why)
         if self.options.drain:
             try:
@@ -379,7 +302,7 @@ class SlurmScheduler(Scheduler[SlurmOptions]):
         """Requeue the batch job without the excluded nodes; says what was done."""
         job_id = self._job_id
         assert job_id is not None
-        exclude = ",".join(sorted(self._excluded))
+        exclude = ",".join(sorted(self.excluded_hosts()))
         update = ["scontrol", "update", f"jobid={job_id}", f"ExcNodeList={exclude}"]
         try:
             commands.run(["scontrol", "requeue", job_id])
@@ -404,31 +327,9 @@ class SlurmScheduler(Scheduler[SlurmOptions]):
 
     # -- steps ----------------------------------------------------------------------------
 
-    def _check_thread(self) -> None:
-        """Each srun dies with the thread that started it (``PR_SET_PDEATHSIG``), and with it
-        its step: start them all from one long-lived thread, as the master does."""
-        current = threading.current_thread()
-        if self._owner is None or not self._owner.is_alive():
-            self._owner = current
-        elif self._owner is not current:
-            raise SchedulerError(
-                f"the slurm scheduler starts its sruns from one long-lived thread (they die "
-                f"with it): called from {current.name!r}, but {self._owner.name!r} started them"
-            )
-
-    def _new_id(self) -> str:
-        node_id = f"node-{self._next_number}"
-        self._next_number += 1
-        return node_id
-
-    def _get(self, node_id: str) -> _Step:
-        step = self._steps.get(node_id)
-        if step is None:
-            raise SchedulerError(f"unknown node {node_id!r}: this slurm scheduler never started it")
-        return step
-
-    def _start(self, spec: LaunchSpec, host: str, node_id: str) -> _Step:
+    def start(self, node: _SlurmNode) -> _Step:
         assert self._job_id is not None and self._watcher is not None
+        spec, node_id, host = node.spec, node.node_id, node.host
         name = f"planaria.{spec.run_id or self._tag}.{node_id}"
         env = {**os.environ, **spec.env, NODE_ID_ENV: node_id, HOST_ENV: host}
         argv = [
@@ -466,62 +367,80 @@ class SlurmScheduler(Scheduler[SlurmOptions]):
             pidfd: int | None = os.pidfd_open(proc.pid)
         except (AttributeError, OSError):
             pidfd = None
-        step = _Step(node_id, host, spec, name, proc, pidfd)
-        self._steps[node_id] = step
         if spec.run_id:
             self._used.setdefault(host, set()).add(f"{spec.run_id}\0{node_id}")
         self._watcher.nudge()
         log.info("node started", node=node_id, host=host, step_name=name)
-        return step
+        return _Step(name, proc, pidfd)
 
-    def _observe(self) -> None:
-        """Act on the watcher's latest look: steps that appeared run; a node gone bad loses
-        its step."""
+    def _unreaped(self) -> list[_SlurmNode]:
+        """Started nodes the caller holds whose srun is not reaped yet."""
+        return [
+            n
+            for n in list(self.nodes.values())
+            if n.data is not None and not n.released and not n.data.reaped
+        ]
+
+    def _pending(self) -> list[_SlurmNode]:
+        """Nodes whose srun ended, not reported yet."""
+        return [
+            n
+            for n in list(self.nodes.values())
+            if n.data is not None and n.data.exited is not None and not n.ended and not n.released
+        ]
+
+    def observe(self) -> list[NodeEvent]:
+        """Reap the sruns that ended, then act on the watcher's latest look: steps that
+        appeared run; a node gone bad loses its step; an ended srun is reported once Slurm
+        has looked at its node since."""
+        self._reap()
+        events: list[NodeEvent] = []
         if self._watcher is not None:
             self._watcher.drain_wake()
         snapshot = self._watcher.snapshot if self._watcher is not None else Snapshot()
         bad = self._bad_hosts()
-        for step in self._live():
-            if step.reported:
+        for node in self._unreaped():
+            step = node.data
+            assert step is not None
+            if node.ended:
                 continue
             if step.step_id is None and step.name in snapshot.steps:
                 step.step_id = snapshot.steps[step.name]
-                self._events.append(NodeEvent(node_id=step.node_id, state=NodeState.RUNNING))
-            why = bad.get(step.host)
+                events.append(NodeEvent(node_id=node.node_id, state=NodeState.RUNNING))
+            why = bad.get(node.host)
             if why is not None:
-                step.reported = True
-                self._events.append(
-                    NodeEvent(node_id=step.node_id, state=NodeState.LOST, reason=why)
-                )
-                log.warning("node lost", node=step.node_id, why=why)
+                events.append(NodeEvent(node_id=node.node_id, state=NodeState.LOST, reason=why))
+                log.warning("node lost", node=node.node_id, why=why)
                 self._signal([step], signal.SIGKILL, wait=False)
         now = time.monotonic()
         late = max(5.0, 3 * self.options.watch_interval)
-        for step in self._pending():
-            assert step.exited is not None
-            why = bad.get(step.host)
+        for node in self._pending():
+            step = node.data
+            assert step is not None and step.exited is not None
+            why = bad.get(node.host)
             if why is None and snapshot.taken <= step.exited and now - step.exited < late:
                 continue  # Slurm's look at the node since the exit is still to come
-            step.reported = True
             if why is not None:
-                event = NodeEvent(node_id=step.node_id, state=NodeState.LOST, reason=why)
+                event = NodeEvent(node_id=node.node_id, state=NodeState.LOST, reason=why)
             else:
-                event = _exit_event(step.node_id, step.proc.returncode)
-            self._events.append(event)
+                assert step.proc.returncode is not None
+                event = exit_event(node.node_id, step.proc.returncode, who="srun", shell=True)
+            events.append(event)
             # How its agent ended: exit 0 is no verdict on the job, which may have failed.
-            log.info("node's agent exited", node=step.node_id, how=event.reason or "exit code 0")
+            log.info("node's agent exited", node=node.node_id, how=event.reason or "exit code 0")
+        return events
 
     def _reap(self) -> None:
-        for step in self._steps.values():
-            if step.released or step.reaped:
-                continue
+        for node in self._unreaped():
+            step = node.data
+            assert step is not None
             try:
                 if not process.has_exited(step.proc.pid):
                     continue
             except ChildProcessError:  # reaped elsewhere: its status is lost
                 step.proc.returncode = -signal.SIGKILL
             self._close(step)
-            if not step.reported:
+            if not node.ended:
                 step.exited = time.monotonic()
                 if self._watcher is not None:
                     self._watcher.nudge()
@@ -538,21 +457,16 @@ class SlurmScheduler(Scheduler[SlurmOptions]):
             os.close(step.pidfd)
             step.pidfd = None
 
-    def _wait(self, remaining: float) -> None:
-        live = self._live()
-        fds = [s.pidfd for s in live if s.pidfd is not None]
-        if len(fds) < len(live):
+    def wait(self, remaining: float) -> None:
+        """Sleep until an srun may have ended or the watcher has news, at most
+        ``remaining`` seconds."""
+        steps = [n.data for n in self._unreaped() if n.data is not None]
+        fds = [s.pidfd for s in steps if s.pidfd is not None]
+        if len(fds) < len(steps):
             remaining = min(remaining, 0.01)
         if self._watcher is not None:
             fds.append(self._watcher.wake_fd)
         process.wait_readable(fds, remaining)
-
-    def _release(self, steps: Iterable[_Step]) -> None:
-        ids = set()
-        for step in steps:
-            step.released = True
-            ids.add(step.node_id)
-        self._events = [e for e in self._events if e.node_id not in ids]
 
     def _signal(self, steps: list[_Step], sig: signal.Signals, *, wait: bool) -> None:
         """Signal the steps through Slurm (every process of the step, on its node), or, for
@@ -581,10 +495,11 @@ class SlurmScheduler(Scheduler[SlurmOptions]):
             if step.step_id is None and not step.reaped:
                 process.signal_group(step.proc.pid, sig)
 
-    def _terminate(self, steps: list[_Step], grace: float) -> None:
+    def terminate(self, nodes: list[_SlurmNode], grace: float) -> None:
         """SIGTERM the steps, SIGKILL them after ``grace``, and return when their sruns have
         ended and Slurm shows none of the steps any more."""
-        live = [s for s in steps if not s.reaped]
+        steps = {n.node_id: n.data for n in nodes if n.data is not None}
+        live = [s for s in steps.values() if not s.reaped]
         if not live:
             return
         self._find_ids(live)
@@ -597,11 +512,11 @@ class SlurmScheduler(Scheduler[SlurmOptions]):
             live = self._wait_exit(live, _SRUN_KILL_WAIT)
         for step in live:  # srun stuck (slurmctld gone): end it here
             process.kill_group(step.proc.pid, 0.0)
-        for step in steps:
+        for node_id, step in steps.items():
             if not step.reaped:
                 self._close(step)
-            log.info("node stopped", node=step.node_id, returncode=step.proc.returncode)
-        self._wait_steps_gone({s.name for s in steps})
+            log.info("node stopped", node=node_id, returncode=step.proc.returncode)
+        self._wait_steps_gone({s.name for s in steps.values()})
 
     def _find_ids(self, steps: list[_Step]) -> None:
         if all(s.step_id is not None for s in steps) or self._job_id is None:
@@ -637,6 +552,19 @@ class SlurmScheduler(Scheduler[SlurmOptions]):
             if not names & steps.keys() or time.monotonic() >= deadline:
                 return
             time.sleep(0.1)
+
+    def after_stop(self, nodes: list[_SlurmNode], everything: bool) -> None:
+        """When the job ends: remove what its nodes left in their /dev/shm (a cleanup step
+        per node used), end the watcher thread, and wait for the scancels still running."""
+        if not everything:
+            return
+        self._cleanup_shm()
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
+        for proc in self._background:
+            proc.wait()
+        self._background.clear()
 
     def _cleanup_shm(self) -> None:
         """Run ``planaria_slurm.cleanup`` on every sound node the job used: agents killed
