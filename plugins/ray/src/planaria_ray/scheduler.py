@@ -28,6 +28,9 @@ elastic job or stops it with that reason.
 The node table, ids, exclusion, the event queue and the launch, replace and stop templates are
 the scheduler engine's (:mod:`planaria.scheduler.engine`); what is here is what Ray does
 differently: choosing a free Ray node, starting and watching an actor, stopping it.
+
+Why one module: those four are one idea, a node as an actor pinned to a Ray node, and each
+reads the same two references per node; this docstring is a fifth of it.
 """
 
 from __future__ import annotations

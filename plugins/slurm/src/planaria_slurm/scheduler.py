@@ -15,8 +15,12 @@ through the environment (srun exports it), never a command line.
 
 The scheduler engine (:mod:`planaria.scheduler.engine`) keeps the nodes, their ids and
 events, the excluded hosts and the one-thread rule; this module places nodes on the
-allocation's hosts and starts, watches and stops their steps. The step's life (start, watch,
-stop) is one idea, and the Slurm facts it relies on are stated where they are used.
+allocation's hosts and starts, watches and stops their steps.
+
+Why one module: it is one backend of the engine, and the step's life (placed on a host of the
+allocation, started, watched, stopped) is one idea; the Slurm facts it relies on (what a
+down node does to a step, what srun's exit says) are stated where they are used, which
+splitting would scatter.
 Submission is in :mod:`planaria_slurm.submit`, and the nodes remembered bad in
 :mod:`planaria_slurm.state`.
 """
@@ -37,14 +41,17 @@ from planaria import process
 from planaria.errors import ConfigIssue
 from planaria.log import get_logger
 from planaria.plugin import (
+    EngineNode,
+    EngineScheduler,
     NodeEvent,
     NodeState,
     SchedulerError,
     SubmitRequest,
     SubmitResult,
+    Unplaceable,
+    exit_event,
 )
 from planaria.protocol import HOST_ENV, NODE_ID_ENV
-from planaria.scheduler.engine import EngineNode, EngineScheduler, Unplaceable, exit_event
 from planaria_slurm import commands, state, submit
 from planaria_slurm.commands import NodeStatus
 from planaria_slurm.options import SlurmOptions
