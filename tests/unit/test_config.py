@@ -172,6 +172,8 @@ BAD = [
     ("- just\n- a list\n", "<top level>", "must hold a mapping of sections"),
     ("job: [1\n", "<top level>", "not valid YAML"),
     ("job: {name: a}\njob: {name: b}\n", "job", "key given twice (lines 1 and 2)"),
+    ("{}: 1\n", "<top level> (line 1)", "a key must be a name, not a mapping"),
+    ("job:\n  ? [a, b]\n  : 1\n", "<top level> (line 2)", "a key must be a name, not a list"),
 ]
 
 

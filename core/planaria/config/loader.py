@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -142,6 +143,10 @@ class _StrictLoader(Yaml12Resolver, yaml.SafeLoader):
                 continue  # ``<<: *base``: its keys may be given again, that is its point
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
+            if not isinstance(key, Hashable):  # ``{}: 1``, ``? [a, b]``: no config has such a key
+                kind = "a mapping" if isinstance(key, dict) else "a list"
+                message = f"a key must be a name, not {kind}"
+                raise ConfigError([ConfigIssue(format_path(self._path), message, line)])
             if key in seen:
                 raise ConfigError(
                     [ConfigIssue(str(key), f"key given twice (lines {seen[key]} and {line})", line)]
@@ -165,6 +170,8 @@ def _load_yaml(text: str) -> tuple[Any, dict[Loc, int]]:
 def _line_map(node: yaml.Node | None, loc: Loc, lines: dict[Loc, int]) -> None:
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                continue  # a mapping or a list as a key: construction refuses it, with its line
             child = (*loc, key_node.value)
             lines[child] = key_node.start_mark.line + 1
             _line_map(value_node, child, lines)
