@@ -20,6 +20,7 @@ pytest_plugins = [
 ``harness`` fixture (``support.scheduler``); network namespaces (``support.netns``)."""
 
 FIXTURES = Path(__file__).parent / "fixtures"
+PLUGIN_FIXTURES = FIXTURES / "plugins"
 END_TO_END = ("e2e", "benchmarks")
 """The layers whose tests run whole jobs or benchmarks: marked ``e2e``, out of the fast loop."""
 
@@ -30,9 +31,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         relative = item.path.relative_to(here) if item.path.is_relative_to(here) else None
         if relative is not None and relative.parts[0] in END_TO_END:
             item.add_marker(pytest.mark.e2e)
-
-
-PLUGIN_FIXTURES = FIXTURES / "plugins"
 
 
 @pytest.fixture
