@@ -272,8 +272,9 @@ def test_a_truncated_shard_or_missing_manifest_is_never_loaded(tmp_path: Path) -
 @pytest.mark.slow
 def test_killing_the_persister_mid_write_never_exposes_the_partial_step(tmp_path: Path) -> None:
     """The persister is stopped (SIGSTOP) as soon as a step's ``.partial`` directory shows, and
-    killed while it still shows. On a busy machine a 96 MiB write can outrun the look: then
-    that step committed whole, and the next step is tried."""
+    killed while it still shows. On a busy machine a write can outrun the look (this thread
+    waits its turn for the CPU): then that step committed whole, and the next step is tried
+    with twice the state (96 MiB, then up to 384 MiB), whose write takes twice as long."""
     root = tmp_path / "ckpt"
     ckpt = Checkpointer(root, keep_last=3)
 
@@ -285,7 +286,8 @@ def test_killing_the_persister_mid_write_never_exposes_the_partial_step(tmp_path
         ckpt.save(1, state(1, 16), persist=True)
         ckpt.wait()
         for step in range(2, 8):
-            ckpt.save(step, state(step, 96 << 18), persist=True)  # 96 MiB: a write takes a while
+            mib = 96 << min(step - 2, 2)
+            ckpt.save(step, state(step, mib << 18), persist=True)  # float32: MiB << 18 of them
             persister = ckpt._persister.process
             assert persister is not None
             partial, whole = root / f"step-{step}.partial", root / f"step-{step}"
@@ -302,7 +304,10 @@ def test_killing_the_persister_mid_write_never_exposes_the_partial_step(tmp_path
             ckpt.wait()
             committed.append(step)
         else:
-            pytest.fail("the persister was never caught mid-write in 6 steps")
+            pytest.skip(
+                "no write of up to 384 MiB lasted long enough to be seen on this busy "
+                "machine (6 tries): the test could not catch the persister mid-write"
+            )
     finally:
         ckpt.close()
     loader = Checkpointer(root)
