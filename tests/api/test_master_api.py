@@ -193,17 +193,7 @@ def test_a_big_jobs_first_progress_samples_of_a_round_are_spread(tmp_path, monke
     monkeypatch.setattr(job_module.random, "random", lambda: 0.25)
 
     async def body(master, session, url):
-        for i in range(2):
-            reg = {"node_id": f"node-{i}", "host": f"h{i}", "addr": "127.0.0.1", "pid": 1}
-            async with session.post(url + "/register", json=reg, headers=AUTH) as r:
-                assert r.status == 200
-
-        async def join(i: int) -> dict:
-            req = {"node_id": f"node-{i}", "addr": "127.0.0.1", "port": 40000 + i}
-            async with session.post(url + "/rendezvous/join", json=req, headers=AUTH) as r:
-                return await r.json()
-
-        assert [r["state"] for r in await asyncio.gather(join(0), join(1))] == ["ready"] * 2
+        assert [r["state"] for r in await _two_nodes_joined(session, url)] == ["ready"] * 2
         for node in master.nodes.values():
             behind = time.monotonic() - node.sampled
             if big:  # a quarter of 5 s x 2 nodes / 1 into the interval
