@@ -6,6 +6,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -98,3 +99,16 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Any]:
+    """What an agent does for the flash checkpoint, played by the test
+    (:class:`support.checkpoints.Node`: a persister and its managed workers); closed after."""
+    from support.checkpoints import Node  # torch: only for the tests that take it
+
+    created = Node(tmp_path, tmp_path / "ckpt")
+    try:
+        yield created
+    finally:
+        created.close()

@@ -8,7 +8,6 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +33,6 @@ def standalone(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("PLANARIA_CKPT_") or name in ("RANK", "WORLD_SIZE"):
             monkeypatch.delenv(name)
-
-
-@pytest.fixture
-def node(tmp_path: Path) -> Iterator[Node]:
-    created = Node(tmp_path, tmp_path / "ckpt")
-    try:
-        yield created
-    finally:
-        created.close()
 
 
 def test_a_kill_mid_save_while_the_persister_holds_a_slot_restores_the_newest_step(

@@ -321,15 +321,6 @@ def test_require_restore_refuses_to_start_from_scratch_over_corrupt_steps(tmp_pa
 # -- the persister: its death, its restart, its shutdown -------------------------------------
 
 
-@pytest.fixture
-def node(tmp_path: Path) -> Iterator[Node]:
-    created = Node(tmp_path, tmp_path / "ckpt")
-    try:
-        yield created
-    finally:
-        created.close()
-
-
 def test_a_worker_reconnects_to_a_restarted_persister_and_its_steps_are_persisted(
     node: Node, tmp_path: Path
 ) -> None:
