@@ -178,12 +178,15 @@ def test_cut_connections_are_retried(proxy: FaultProxy, bucket: str) -> None:
 
 
 def test_permission_errors_are_not_retried(proxy: FaultProxy, bucket: str) -> None:
-    storage = s3_storage(proxy.endpoint, bucket, retry_backoff=1.0, retry_backoff_max=1.0)
+    # A retry would wait 10 s first: far above what one call takes on a busy machine.
+    storage = s3_storage(proxy.endpoint, bucket, retry_backoff=10.0, retry_backoff_max=10.0)
     proxy.fail(1, 403, "AccessDenied", method="PUT")
     started = time.monotonic()
     with pytest.raises(StorageError, match="permission denied") as caught:
         storage.write("step-1/a", [b"x"])
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 10.0
+    puts = [seen.outcome for seen in proxy.seen if seen.method == "PUT" and "step-1/a" in seen.path]
+    assert puts == ["status 403"]
     assert f"s3://{bucket}/run/step-1/a" in str(caught.value)
     # One fault was queued: a retry would have gone through and written the object.
     with pytest.raises(FileNotFoundError):
