@@ -236,13 +236,14 @@ def test_the_first_long_poll_of_a_round_is_held_for_part_of_the_interval_in_a_bi
                 assert (await r.json())["action"]["kind"] == "none"
             took.append(time.monotonic() - started)
         first, second, first_of_2, second_of_2 = took
-        assert second >= 0.18 and second_of_2 >= 0.18, took
+        # A 1 s hold: a quarter of it (0.25 s) and the whole stay apart on a busy machine.
+        assert second >= 0.95 and second_of_2 >= 0.95, took
         if big:
-            assert first < 0.15 and first_of_2 < 0.15, took
+            assert first < 0.7 and first_of_2 < 0.7, took
         else:
-            assert first >= 0.18 and first_of_2 >= 0.18, took
+            assert first >= 0.95 and first_of_2 >= 0.95, took
 
-    asyncio.run(with_master(tmp_path, body))
+    asyncio.run(with_master(tmp_path, body, hold=1.0))
 
 
 async def _two_nodes_joined(session, url) -> list[dict]:

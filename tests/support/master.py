@@ -53,11 +53,12 @@ async def with_master(
     *,
     heartbeat_timeout: float = 30,
     join_hold: float = 5.0,
+    hold: float = 0.2,
 ) -> None:
     """A master whose nodes never call back: ``body(master, session, url)`` plays the agents."""
     job_settings = settings(tmp_path, heartbeat_timeout=heartbeat_timeout)
     master = Master(job_settings, LocalScheduler(LocalOptions()), tmp_path)
-    app = make_app(master, TOKEN, hold=0.2, limits=limits, join_hold=join_hold)
+    app = make_app(master, TOKEN, hold=hold, limits=limits, join_hold=join_hold)
     runner, port = await serve(app, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{port}{API_PREFIX}"
     # Stand-in agents that never call back: the test plays the agents over HTTP.

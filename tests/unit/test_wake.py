@@ -13,7 +13,7 @@ def test_a_wait_ends_when_set_or_after_its_timeout() -> None:
         wake = Wake()
         started = time.monotonic()
         assert await wake.wait(0.1) is False
-        assert 0.1 <= time.monotonic() - started < 1.0
+        assert 0.1 <= time.monotonic() - started < 5.0
 
         waiting = asyncio.ensure_future(wake.wait(30))
         await asyncio.sleep(0.05)
