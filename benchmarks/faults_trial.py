@@ -305,23 +305,23 @@ class Trial:
 
 def _marked(mark: str) -> list[Proc]:
     """Every live (not zombie) process whose environment carries ``mark``."""
-    needle = f"{MARK}={mark}".encode()
+    from planaria.testing.processes import environ_of, processes_with
+
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in processes_with({f"{MARK}={mark}".encode()}):
         try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-            if needle not in environ or "State:\tZ" in (entry / "status").read_text():
-                continue
-            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
         node = next(
-            (e.split(b"=", 1)[1].decode() for e in environ if e.startswith(b"PLANARIA_NODE_ID=")),
+            (
+                e.split(b"=", 1)[1].decode()
+                for e in environ_of(pid)
+                if e.startswith(b"PLANARIA_NODE_ID=")
+            ),
             None,
         )
-        found.append(Proc(int(entry.name), [a for a in argv if a], node))
+        found.append(Proc(pid, [a for a in argv if a], node))
     return found
 
 

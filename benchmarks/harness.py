@@ -7,8 +7,9 @@ variant are started by their script but depend only on this module, so no benchm
 twice (once as ``__main__``, once as a module) and the imports form no circle
 (tests/unit/test_import_graph.py checks it).
 
-Only the standard library is imported at the top: the fault suite refuses some rows before it
-may import planaria, and torch is imported by the functions that need it.
+The processes of a trial are found, killed and run in a session of their own by
+:mod:`planaria.testing.processes`, the tests' job harness's own; torch is imported by the
+functions that need it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from planaria.testing.processes import run_group
 
 if TYPE_CHECKING:
     import torch
@@ -143,34 +146,6 @@ def rank0_log(work: Path) -> str:
 # -- running a launcher --------------------------------------------------------------------------
 
 
-def run_group(
-    command: list[str], cwd: Path, env: dict[str, str], timeout: float
-) -> subprocess.CompletedProcess[str]:
-    """Run ``command`` in a session of its own; past ``timeout`` kill the whole session, so
-    that the workers of a hung launcher (torchrun's are not tied to it) do not outlive it.
-
-    Its output goes to files, not pipes: a worker that left the session (or that a killed
-    launcher left to init) would hold a pipe open, and reading it to the end would wait for
-    that worker. What left the session is the trial's sweep's (:class:`leftovers.Sweeper`)."""
-    out_path, err_path = cwd / "launcher.out", cwd / "launcher.err"
-
-    def output() -> tuple[str, str]:
-        return out_path.read_text(errors="replace"), err_path.read_text(errors="replace")
-
-    with out_path.open("w") as out, err_path.open("w") as err:
-        proc = subprocess.Popen(
-            command, cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=True
-        )
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired as exc:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise subprocess.TimeoutExpired(command, timeout, *output()) from exc
-    return subprocess.CompletedProcess(command, proc.returncode, *output())
-
-
 def run_launcher(
     command: list[str], cwd: Path, env: dict[str, str], timeout: float
 ) -> tuple[bool, str, str, float]:
@@ -239,29 +214,6 @@ def note_of(ok: bool, output: str) -> str:
     if ok:
         return ""
     return HANG.strip() if output.endswith(HANG) else last_error(output)
-
-
-# -- processes -----------------------------------------------------------------------------------
-
-
-def environ_of(pid: str) -> list[bytes]:
-    """The ``NAME=value`` entries of a process's environment (empty when it cannot be read)."""
-    try:
-        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return []
-
-
-def kill_marked(wanted: set[bytes]) -> bool:
-    """SIGKILL every process whose environment holds all of ``wanted``; whether there was one."""
-    doomed = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and wanted <= set(environ_of(proc.name)):
-            doomed.append(int(proc.name))
-    for pid in doomed:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    return bool(doomed)
 
 
 # -- trials and their report ---------------------------------------------------------------------

@@ -60,12 +60,12 @@ from benchmarks.harness import (
     interleave,
     measure,
     ratio,
-    run_group,
     run_launcher,
     summarise,
     train_args,
 )
 from planaria import leftovers
+from planaria.testing.processes import run_group
 
 
 def run_planaria(args: argparse.Namespace, work: Path) -> TrialResult:

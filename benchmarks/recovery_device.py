@@ -47,11 +47,11 @@ from benchmarks.harness import (
     interleave,
     measure,
     ratio,
-    run_group,
     run_launcher,
     summarise,
 )
 from planaria import leftovers
+from planaria.testing.processes import run_group
 
 MTTR_TARGET = 0.2
 

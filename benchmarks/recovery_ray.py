@@ -42,7 +42,6 @@ from benchmarks.harness import (
     fault_table,
     interleave,
     interrupted,
-    kill_marked,
     last_step,
     launch,
     measure_fault,
@@ -53,6 +52,7 @@ from benchmarks.harness import (
 )
 from planaria import leftovers
 from planaria.protocol import NODE_ID_ENV
+from planaria.testing.processes import kill_marked
 from planaria_ray.testing import AGENT, LocalCluster
 
 

@@ -48,7 +48,6 @@ from benchmarks.harness import (
     ROOT,
     TrialResult,
     chaos,
-    environ_of,
     fault_table,
     interleave,
     interrupted,
@@ -61,6 +60,7 @@ from benchmarks.harness import (
     train_args,
 )
 from planaria import leftovers
+from planaria.testing.processes import environ_of
 
 CLUSTER = ROOT / "plugins" / "slurm" / "tests" / "cluster.sh"
 NODES = 4

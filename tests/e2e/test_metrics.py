@@ -27,7 +27,7 @@ from planaria.master.job import Master
 from planaria.master.metrics import JobMetrics
 from planaria.master.state import Node, NodePhase
 from planaria.scheduler.local import LocalOptions, LocalScheduler
-from planaria.testing.jobs import EXAMPLE, job, marked_processes, start
+from planaria.testing.jobs import EXAMPLE, job, start, wait_gone
 from support.grafana_dashboard import SERIES, asked, dashboard, served
 from support.master import settings
 
@@ -100,9 +100,7 @@ def finish(proc: subprocess.Popen[str], mark: str) -> str:
         proc.kill()
         out, _ = proc.communicate()
         raise AssertionError(f"the run did not end:\n{out[-3000:]}") from None
-    deadline = time.monotonic() + 10
-    while (left := marked_processes(mark)) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    left = wait_gone(mark, grace=10)
     assert left == [], f"processes of the job survived it: {left}"
     return out
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from planaria.shm import TAG_ENV, name_prefix
-from planaria.testing.jobs import EXAMPLE, events, job, marked_processes, run, start
+from planaria.testing.jobs import EXAMPLE, events, job, run, start, wait_gone
 from planaria.testing.leaks import assert_no_shm_left
 from support.cli import status, status_json
 
@@ -57,10 +57,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
             chaos=[{"kind": "kill_node", "node_rank": 1, "at_step": KILL_AT}],
         )
         result = run(tmp_path, mark, str(config))
-        deadline = time.monotonic() + 10
-        while marked_processes(mark) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not marked_processes(mark), "processes of the run outlived it"
+        assert not wait_gone(mark, grace=10), "processes of the run outlived it"
         assert_no_shm_left(prefix)
     finally:
         if before is None:

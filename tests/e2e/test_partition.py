@@ -33,7 +33,7 @@ from planaria.process import proc_stat
 from planaria.testing.netns import Network, unavailable
 
 torch = pytest.importorskip("torch")
-from planaria.testing.jobs import EXAMPLE, MARK, marked_processes  # noqa: E402
+from planaria.testing.jobs import EXAMPLE, MARK, marked_processes, wait_gone  # noqa: E402
 
 # Each job: ~20 s on 2 idle CPU cores (torch starts in 2-3 processes), the long cut ~30 s.
 pytestmark = pytest.mark.slow
@@ -59,9 +59,7 @@ COMMAND = [
 def mark() -> Iterator[str]:
     value = uuid.uuid4().hex
     yield value
-    deadline = time.monotonic() + 10
-    while (left := marked_processes(value)) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    left = wait_gone(value, grace=10)
     assert left == [], f"processes of the job survived it: {left}"
 
 

@@ -10,7 +10,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 from html import escape
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 
 from planaria import rundir
 from planaria.report import course, plot
-from planaria.testing.jobs import job, marked_processes, run
+from planaria.testing.jobs import job, run, wait_gone
 from support.report_layout import narrowest_axes, overlapping, text_outside
 
 pytest.importorskip("torch")
@@ -43,9 +42,7 @@ def faulty_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
         config = job(where, chaos=CHAOS, job={"max_restarts": 6})
         result = run(where, mark, str(config))
     finally:
-        deadline = time.monotonic() + 5
-        while (left := marked_processes(mark)) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        left = wait_gone(mark, grace=5)
     assert left == [], f"processes of the job survived it: {left}"
     assert result.returncode == 0, result.stdout + result.stderr
     (run_dir,) = where.glob("planaria-runs/*")
@@ -210,9 +207,7 @@ def crash_loop_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         config = job(where, job={"command": [sys.executable, "-c", CRASH], "max_restarts": 4})
         result = run(where, mark, str(config))
     finally:
-        deadline = time.monotonic() + 5
-        while (left := marked_processes(mark)) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        left = wait_gone(mark, grace=5)
     assert left == [], f"processes of the job survived it: {left}"
     assert result.returncode == 1, result.stdout + result.stderr
     assert "crash loop" in result.stdout

@@ -18,7 +18,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from planaria.testing.jobs import EXAMPLE, events, job, marked_processes, run, start, weights  # noqa: E402
+from planaria.testing.jobs import EXAMPLE, MARK, events, job, run, start, weights  # noqa: E402
+from planaria.testing.processes import processes_with  # noqa: E402
 
 
 def test_faults_are_recovered_and_the_weights_are_bitwise_those_of_a_clean_run(tmp_path, mark):
@@ -124,14 +125,8 @@ def test_a_spent_restart_budget_stops_the_job_with_the_reason(tmp_path, mark):
 
 def _node_process(mark: str, node_id: str) -> int | None:
     """The agent of ``node_id`` of the run marked ``mark``, once it exists."""
-    for pid in marked_processes(mark):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"PLANARIA_NODE_ID={node_id}".encode() in environ:
-            return pid
-    return None
+    found = processes_with({f"{MARK}={mark}".encode(), f"PLANARIA_NODE_ID={node_id}".encode()})
+    return found[0] if found else None
 
 
 def test_an_elastic_job_goes_on_with_fewer_nodes_then_grows_back(tmp_path, mark):

@@ -6,8 +6,9 @@ benchmarks share it; a third-party scheduler's tests can too.
 
 Every job a test starts through :func:`run` or :func:`start` carries a mark in its environment
 (``PLANARIA_TEST_MARK``), which its agents, warm interpreters, workers and their children all
-inherit: the :func:`mark` fixture (load this module with ``pytest_plugins``) fails the test when
-a process carrying its mark is still alive after it."""
+inherit (:mod:`planaria.testing.processes` finds them by it): the :func:`mark` fixture (load
+this module with ``pytest_plugins``) fails the test when a process carrying its mark is still
+alive after it."""
 
 from __future__ import annotations
 
@@ -26,30 +27,17 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
+# Named here too: the tests import the whole harness from this module.
+from planaria.testing.processes import MARK as MARK
+from planaria.testing.processes import marked_processes as marked_processes
+from planaria.testing.processes import wait_gone as wait_gone
+
 T = TypeVar("T")
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "train_gpt.py"
 """``examples/train_gpt.py`` of the checkout these helpers run from: the training every
 end-to-end test runs (deterministic, so that a run with faults can be compared bit for bit
 with a clean one)."""
-MARK = "PLANARIA_TEST_MARK"
-"""The environment variable that marks every process of a test's job."""
-
-
-def marked_processes(mark: str) -> list[int]:
-    """The live (not zombie) processes whose environment carries ``MARK=mark``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-            status = (entry / "status").read_text()
-        except OSError:
-            continue
-        if f"{MARK}={mark}".encode() in environ.split(b"\0") and "State:\tZ" not in status:
-            found.append(int(entry.name))
-    return found
 
 
 @pytest.fixture
@@ -58,9 +46,7 @@ def mark() -> Iterator[str]:
     (5 s of grace for their exits to land)."""
     value = uuid.uuid4().hex
     yield value
-    deadline = time.monotonic() + 5
-    while (left := marked_processes(value)) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    left = wait_gone(value, grace=5)
     assert left == [], f"processes of the job survived it: {left}"
 
 

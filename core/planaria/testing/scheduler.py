@@ -46,9 +46,9 @@ import pytest
 
 from planaria.errors import SchedulerError
 from planaria.master.advertise import carried_name
-from planaria.process import running
 from planaria.protocol import NODE_ID_ENV
 from planaria.scheduler.api import LaunchSpec, NodeEvent, NodeHandle, NodeState, Scheduler
+from planaria.testing.processes import environ_of, processes_with
 
 AnyScheduler = Scheduler[Any]
 SpecFactory = Callable[[Sequence[str], Mapping[str, str]], LaunchSpec]
@@ -72,27 +72,14 @@ NODE_SCRIPT = textwrap.dedent(
 )
 
 
-def _environ(pid: str) -> dict[bytes, bytes] | None:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            raw = f.read()
-    except OSError:  # exited meanwhile, or another user's
-        return None
-    if not running(int(pid)):
-        return None  # a zombie has exited; it only waits to be reaped
-    return dict(item.partition(b"=")[::2] for item in raw.split(b"\0") if item)
-
-
 def marked_processes(mark: str) -> dict[int, str]:
     """Live processes of this machine whose environment holds ``MARK_ENV=mark``: their pids
     and node ids."""
     found: dict[int, str] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        env = _environ(entry)
-        if env is not None and env.get(MARK_ENV.encode()) == mark.encode():
-            found[int(entry)] = env.get(NODE_ID_ENV.encode(), b"").decode()
+    for pid in processes_with({f"{MARK_ENV}={mark}".encode()}):
+        node = f"{NODE_ID_ENV}=".encode()
+        ids = [e[len(node) :] for e in environ_of(pid) if e.startswith(node)]
+        found[pid] = ids[0].decode() if ids else ""
     return found
 
 

@@ -16,6 +16,7 @@ from planaria_slurm import SlurmOptions, SlurmScheduler
 
 from planaria.plugin import LaunchSpec, NodeState
 from planaria.testing.jobs import run_planaria, wait_for
+from planaria.testing.processes import processes_with
 
 
 @pytest.mark.usefixtures("slurm_cluster")
@@ -212,18 +213,7 @@ def test_the_token_shows_in_no_command_line_and_not_in_slurm(allocation: str) ->
         assert secret not in shown
         assert _visible(secret) == []
         # It does reach the agents, through their environment.
-        found = [
-            p
-            for p in Path("/proc").iterdir()
-            if p.name.isdigit() and _environ_has(p, f"PLANARIA_TOKEN={secret}")
-        ]
+        found = processes_with({f"PLANARIA_TOKEN={secret}".encode()})
         assert found
     finally:
         scheduler.stop()
-
-
-def _environ_has(proc: Path, item: str) -> bool:
-    try:
-        return item.encode() in (proc / "environ").read_bytes().split(b"\0")
-    except OSError:
-        return False
