@@ -354,6 +354,9 @@ class RendezvousCompleted(Payload):
     """``memory:<step>`` or ``storage``."""
     restore_why: str
     persist_step: int | None = None
+    from_standby: list[str] | None = None
+    """Members that stood by, warm, until this round (``job.standby``): a lost node's place
+    taken without a scheduler round trip."""
 
 
 # -- checkpoints --------------------------------------------------------------------------

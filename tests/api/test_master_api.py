@@ -323,3 +323,46 @@ def test_rank_0s_loss_is_sampled_at_each_heartbeat_that_brings_a_new_one(tmp_pat
         assert [s.value for s in gauge.samples] == [2.25]
 
     asyncio.run(with_master(tmp_path, body))
+
+
+def test_a_node_standing_by_is_held_until_the_next_round_opens_and_then_joins_it(tmp_path):
+    """``job.standby``: a node beyond the full world is told to stand by, its join held until
+    a round opens (a lost node's place) rather than polled again later; it then joins that
+    round, which closes at once with it and the survivor."""
+
+    async def body(master, session, url):
+        assert len(master.nodes) == 3  # the world's 2 and the one standing by
+        replies = await _two_nodes_joined(session, url)
+        assert all(r["state"] == "ready" for r in replies)
+        reg = {"node_id": "node-2", "host": "h2", "addr": "127.0.0.1", "pid": 1}
+        async with session.post(url + "/register", json=reg, headers=AUTH) as r:
+            assert r.status == 200
+        req = {"node_id": "node-2", "addr": "127.0.0.1", "port": 40002}
+
+        async def join() -> tuple[dict, float]:
+            started = time.monotonic()
+            async with session.post(url + "/rendezvous/join", json=req, headers=AUTH) as r:
+                return await r.json(), time.monotonic() - started
+
+        standing, _ = await join()
+        assert standing["state"] == "wait" and "standing by" in standing["reason"]
+        held = asyncio.ensure_future(join())
+        await asyncio.sleep(1.5)  # the join hold is 5 s: still held
+        assert not held.done()
+        lost = master.nodes["node-1"]
+        master.recovery.node_lost(lost, "test: gone")
+        reply, took = await asyncio.wait_for(held, 10)
+        assert reply["state"] == "wait" and took < 4.5, (reply, took)
+
+        async def survivor() -> dict:  # what node-0 does on its restart action
+            req0 = {"node_id": "node-0", "addr": "127.0.0.1", "port": 40000}
+            async with session.post(url + "/rendezvous/join", json=req0, headers=AUTH) as r:
+                return await r.json()
+
+        (ready, _), rejoined = await asyncio.gather(join(), survivor())
+        assert ready["state"] == "ready" and rejoined["state"] == "ready", (ready, rejoined)
+        assert ready["info"]["node_rank"] == replies[1]["info"]["node_rank"]
+        formed = [e for e in master.timeline.events if e.kind.value == "rendezvous_completed"]
+        assert [e.data.get("from_standby") for e in formed] == [None, ["node-2"]]
+
+    asyncio.run(with_master(tmp_path, body, standby=1))

@@ -21,7 +21,9 @@ from planaria.scheduler.local import LocalOptions, LocalScheduler
 TOKEN = "s3cret-token"
 
 
-def settings(tmp_path: Path, nodes: int = 2, heartbeat_timeout: float = 30) -> JobSettings:
+def settings(
+    tmp_path: Path, nodes: int = 2, heartbeat_timeout: float = 30, standby: int = 0
+) -> JobSettings:
     spec = JobSpec(
         job="api",
         run_id="api-1",
@@ -43,6 +45,7 @@ def settings(tmp_path: Path, nodes: int = 2, heartbeat_timeout: float = 30) -> J
         node_unit=1,
         join_grace=5,
         join_timeout=60,
+        standby=standby,
     )
 
 
@@ -54,9 +57,10 @@ async def with_master(
     heartbeat_timeout: float = 30,
     join_hold: float = 5.0,
     hold: float = 0.2,
+    standby: int = 0,
 ) -> None:
     """A master whose nodes never call back: ``body(master, session, url)`` plays the agents."""
-    job_settings = settings(tmp_path, heartbeat_timeout=heartbeat_timeout)
+    job_settings = settings(tmp_path, heartbeat_timeout=heartbeat_timeout, standby=standby)
     master = Master(job_settings, LocalScheduler(LocalOptions()), tmp_path)
     app = make_app(master, TOKEN, hold=hold, limits=limits, join_hold=join_hold)
     runner, port = await serve(app, "127.0.0.1", 0)
@@ -67,7 +71,7 @@ async def with_master(
     try:
         async with aiohttp.ClientSession() as session:
             deadline = time.monotonic() + 30  # launched (slow on a busy machine)
-            while len(master.nodes) < job_settings.min_nodes:
+            while len(master.nodes) < job_settings.min_nodes + standby:
                 assert time.monotonic() < deadline, "the job's nodes were never launched"
                 await asyncio.sleep(0.02)
             await body(master, session, url)

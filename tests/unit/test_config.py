@@ -109,6 +109,13 @@ BAD = [
     ("job: {max_restarts: -1}", "job.max_restarts", "greater than or equal to 0"),
     ("job: {name: 'bad name!'}", "job.name", "should match pattern"),
     ("job: {nodes: 2, node_unit: 3}", "job", "node_unit (3) is larger"),
+    ("job: {standby: -1}", "job.standby", "greater than or equal to 0"),
+    ("job: {nodes: 100000, standby: 1}", "job", "100000 nodes and 1 standing by are more than"),
+    (
+        "job: {nodes: 2, standby: 1}\nscheduler: {options: {max_nodes: 2}}\n",
+        "job.nodes",
+        "3 nodes are more than the local scheduler",
+    ),
     ("job: {command: 'python \"unclosed'}", "job.command", "cannot split command"),
     ("job: {command: 5}", "job.command", "valid list"),
     ("jobs: {}", "jobs", "did you mean 'job'"),

@@ -230,6 +230,13 @@ class JobSection(Section):
     nodes: NodeRange = Field(default_factory=lambda: NodeRange(min=1, max=1))
     procs_per_node: int = Field(default=1, ge=1, le=MAX_PROCS_PER_NODE)
     max_restarts: int = Field(default=3, ge=0)
+    standby: int = Field(
+        default=0,
+        ge=0,
+        description="extra nodes started with the job and kept warm (agent registered, torch "
+        "imported), in no round: a lost node's place is taken by one of them at once, and the "
+        "scheduler refills the pool in the background",
+    )
     node_unit: int = Field(default=1, ge=1)
     workdir: Path = Path(".")
     env: dict[str, str] = Field(default_factory=dict)
@@ -315,6 +322,15 @@ class JobSection(Section):
                 f"the command and env take {size} bytes, more than this machine passes to a "
                 f"program (ARG_MAX: {limit} bytes, shared with the inherited environment): "
                 "pass large data in a file"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _standby_fits(self) -> JobSection:
+        if self.nodes.max + self.standby > MAX_NODES:
+            raise ValueError(
+                f"{self.nodes.max} nodes and {self.standby} standing by are more than "
+                f"{MAX_NODES}: more than any cluster has"
             )
         return self
 

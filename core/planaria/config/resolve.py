@@ -187,6 +187,6 @@ def capacity_issues(resolved: ResolvedConfig, *, ask_cluster: bool = True) -> li
         return []
     job = resolved.config.job
     found = scheduler.record.factory.capacity_issues(
-        scheduler.options, nodes=job.nodes.max, procs_per_node=job.procs_per_node
+        scheduler.options, nodes=job.nodes.max + job.standby, procs_per_node=job.procs_per_node
     )
     return [resolved.issue(issue.path, issue.message) for issue in found]

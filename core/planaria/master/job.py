@@ -140,6 +140,10 @@ class Master:
         reported one (``planaria.monitor.step(n, loss=...)``)."""
         self._round_settled = Wake()
         """Set when the forming round closes, is superseded or the job ends."""
+        self._next_round = Wake()
+        """Set when a round opens or the job ends: the joins of nodes standing by wait on it."""
+        self._standing: set[str] = set()
+        """The nodes that stood by when the forming round opened."""
         self.restore = "storage"
         """Where this round's workers restore from: ``memory:<step>`` or ``storage``."""
         self.persist_step: int | None = None
@@ -464,7 +468,9 @@ class Master:
         if self.rounds.closed:
             node.phase = NodePhase.STANDBY
             standing = JoinReply(state="wait", reason="the running world is full; standing by")
-            return Deferred(_later(min(wait, 1.0)), lambda: standing)
+            # Held until the next round opens (a lost node's place to take) or ``wait``.
+            waiting = self._next_round.waiter(wait)
+            return standing if waiting is None else Deferred(waiting, lambda: standing)
         self.rounds.join(request.node_id, request.addr, request.port, time.time())
         node.phase = NodePhase.JOINED
         self._maybe_close()
@@ -664,6 +670,9 @@ class Master:
     def open_round(self) -> int:
         self._round_settled.set()  # waiters of the old round re-join the new one
         self._round_settled = Wake()
+        self._next_round.set()  # and so do the nodes standing by
+        self._next_round = Wake()
+        self._standing = {n.node_id for n in self.nodes.values() if n.phase is NodePhase.STANDBY}
         self.state = JobState.RENDEZVOUS
         return self.rounds.open(time.time())
 
@@ -689,6 +698,8 @@ class Master:
             self.recovery.restored(self.rounds.round, plan.where)
             log.info("restore decided", round=self.rounds.round, restore=plan.restore, why=plan.why)
             size = next(iter(world.values())).world_size
+            promoted = sorted(n for n in world if n in self._standing)
+            taken = f" ({', '.join(promoted)} from standby)" if promoted else ""
             self.timeline.emit(
                 events.RendezvousCompleted(
                     round=self.rounds.round,
@@ -697,8 +708,9 @@ class Master:
                     restore=plan.restore,
                     restore_why=plan.why,
                     persist_step=plan.persist_step,
+                    from_standby=promoted or None,
                 ),
-                f"round {self.rounds.round}: {len(world)} node(s), world size {size}; "
+                f"round {self.rounds.round}: {len(world)} node(s), world size {size}{taken}; "
                 f"restore from {plan.where}: {plan.why}",
             )
         elif now - self.rounds.opened_at > self.settings.join_timeout:
@@ -746,6 +758,7 @@ class Master:
                 self.could_not_write(f"job.ended-{state.value}", exc)
         self.scheduler.interrupt()  # a launch in flight (on the scheduler's thread) stops
         self._round_settled.set()
+        self._next_round.set()
         for node in self.nodes.values():
             node.send(Action(kind="exit", reason=reason))
         if state is JobState.SUCCEEDED:
@@ -757,7 +770,7 @@ class Master:
 
     async def launch(self, spec: LaunchSpec) -> None:
         try:
-            handles = await self.fleet.launch(spec, self.settings.max_nodes)
+            handles = await self.fleet.launch(spec, self.settings.max_nodes + self.settings.standby)
         except SchedulerError:
             if not self.state.terminal:
                 raise

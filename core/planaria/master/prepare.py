@@ -154,4 +154,5 @@ def job_settings(
         join_grace=config.rendezvous.join_grace,
         join_timeout=config.rendezvous.join_timeout,
         diagnosis=master_policy(resolved, manager, preflight_only),
+        standby=0 if preflight_only else config.job.standby,
     )

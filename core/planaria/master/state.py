@@ -267,6 +267,8 @@ class JobSettings:
     join_grace: float
     join_timeout: float
     diagnosis: DiagnosisPolicy = field(default_factory=DiagnosisPolicy)
+    standby: int = 0
+    """Nodes started beyond ``max_nodes`` that stand by, warm, for a lost node's place."""
 
     @property
     def rules(self) -> Rules:
