@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from planaria.testing.processes import run_group
+from planaria.testing.processes import kill_marked, run_group
 
 if TYPE_CHECKING:
     import torch
@@ -111,9 +111,13 @@ def measure_fault(
     rank0: str, struck: float | None, ok: bool, wall: float, note: str
 ) -> TrialResult:
     """A fault struck from outside the job at ``struck``: MTTR from then to rank 0's first step
-    after it resumed; steps lost: the steps rank 0 had done by then that it did again."""
+    after it resumed; steps lost: the steps rank 0 had done by then that it did again. A run
+    that did not end well (``ok`` false: it failed, or hung to its timeout) recovered from
+    nothing, whatever steps it logged."""
     if struck is None:
         return TrialResult(False, wall=wall, note=note or "the fault never struck")
+    if not ok:
+        return TrialResult(False, wall=wall, note=note or "the run failed")
     before = [
         int(m["step"])
         for line in rank0.splitlines()
@@ -214,6 +218,21 @@ def note_of(ok: bool, output: str) -> str:
     if ok:
         return ""
     return HANG.strip() if output.endswith(HANG) else last_error(output)
+
+
+# -- faults from outside -----------------------------------------------------------------------
+
+
+def kill_local_node(node_id: str) -> bool:
+    """SIGKILL every process of this trial (its :mod:`planaria.leftovers` marker) that belongs to
+    local node ``node_id`` (its agent, warm interpreter and workers carry
+    ``PLANARIA_NODE_ID``): what a dying node does to them. Whether there was one."""
+    from planaria import leftovers
+    from planaria.protocol import NODE_ID_ENV
+
+    marker = os.environ.get(leftovers.VARIABLE, "")
+    wanted = {f"{leftovers.VARIABLE}={marker}".encode(), f"{NODE_ID_ENV}={node_id}".encode()}
+    return kill_marked(wanted)
 
 
 # -- trials and their report ---------------------------------------------------------------------

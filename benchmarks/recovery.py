@@ -28,6 +28,9 @@ The last line printed is one JSON object with the figures.
 save and between saves, against torchrun, with a bitwise check of the final weights
 (benchmarks/recovery_device.py); ``--device cpu``, the default, is the benchmark above.
 
+``--node-loss`` loses a whole node instead, with and without nodes standing by (``job.standby``),
+against torchrun with the node started again (benchmarks/recovery_node.py).
+
 ``--scheduler slurm`` measures on a real Slurm cluster instead, a worker kill and a node loss
 (benchmarks/recovery_slurm.py says how); ``--scheduler ray`` the same two on a Ray cluster of
 this machine, against the local scheduler (benchmarks/recovery_ray.py).
@@ -184,7 +187,10 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=None, help="30 (on a device: 17)")
     parser.add_argument("--ckpt-every", type=int, default=5)
     parser.add_argument(
-        "--timeout", type=float, default=None, help="a run past it hangs (90 s; device: 240 s)"
+        "--timeout",
+        type=float,
+        default=None,
+        help="a run past it hangs (90 s; --node-loss: 180 s; device: 240 s)",
     )
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument(
@@ -215,12 +221,23 @@ def main() -> None:
         "(recovery_slurm.py); ray: on a Ray cluster against the local scheduler (recovery_ray.py)",
     )
     parser.add_argument(
-        "--procs-per-node", type=int, default=1, help="workers per node (--scheduler slurm or ray)"
+        "--procs-per-node",
+        type=int,
+        default=1,
+        help="workers per node (--scheduler slurm or ray, --node-loss)",
+    )
+    parser.add_argument(
+        "--node-loss",
+        action="store_true",
+        help="a node lost, with and without job.standby, against torchrun with the node "
+        "started again (recovery_node.py)",
     )
     args = parser.parse_args()
     on_device = args.device != "cpu"
     if args.cpu_dry_run and not on_device:
         raise SystemExit("--cpu-dry-run runs the --device cuda path: give --device cuda with it")
+    if args.node_loss and args.timeout is None:
+        args.timeout = 180.0  # three launches of a node at least, on a busy machine
     for name, cpu, device in (
         ("trials", 3, 2),
         ("steps", 60, 30),
@@ -231,6 +248,11 @@ def main() -> None:
             setattr(args, name, device if on_device else cpu)
     exit_on_sigterm()  # a kill still sweeps the trial
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    if args.node_loss:
+        from benchmarks import recovery_node  # here: a benchmark of its own
+
+        recovery_node.main(args)
+        return
     if args.scheduler == "slurm":
         from benchmarks import recovery_slurm  # here: only this variant needs Slurm
 

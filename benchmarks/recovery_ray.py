@@ -42,6 +42,7 @@ from benchmarks.harness import (
     fault_table,
     interleave,
     interrupted,
+    kill_local_node,
     last_step,
     launch,
     measure_fault,
@@ -51,8 +52,6 @@ from benchmarks.harness import (
     train_args,
 )
 from planaria import leftovers
-from planaria.protocol import NODE_ID_ENV
-from planaria.testing.processes import kill_marked
 from planaria_ray.testing import AGENT, LocalCluster
 
 
@@ -110,13 +109,6 @@ def run(
         kill = KILL.search(killed.read_text(errors="replace")) if killed else None
         struck = float(kill["t"]) if kill else None
     return measure_fault(rank0_log(work), struck, ok, wall, note)
-
-
-def kill_local_node(node_id: str) -> bool:
-    """SIGKILL every process of this run (its marker) that belongs to ``node_id``."""
-    marker = os.environ.get(leftovers.VARIABLE, "")
-    wanted = {f"{leftovers.VARIABLE}={marker}".encode(), f"{NODE_ID_ENV}={node_id}".encode()}
-    return kill_marked(wanted)
 
 
 def main(args: argparse.Namespace) -> None:

@@ -4,6 +4,7 @@ the package, and the shared harness reads a fault's trial and prints its ratio t
 from __future__ import annotations
 
 import importlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +58,9 @@ def test_a_fault_struck_from_outside_is_measured_from_when_it_struck(harness) ->
     assert trial.ok and trial.mttr == pytest.approx(2.5) and trial.steps_lost == 2
     never = harness.measure_fault(RANK0, None, False, 30.0, "")
     assert not never.ok and never.note == "the fault never struck"
+    # A run that failed or hung recovered from nothing, whatever steps it logged.
+    hung = harness.measure_fault(RANK0, 101.5, False, 90.0, "timed out (hang)")
+    assert not hung.ok and hung.mttr is None and hung.note == "timed out (hang)"
 
 
 def test_the_fault_table_shows_no_ratio_for_a_runner_that_never_recovered(
@@ -81,3 +85,24 @@ def test_the_fault_table_shows_no_ratio_for_a_runner_that_never_recovered(
     assert lines[1].split() == ["worker", "kill", "1.00s", "4.00s", "0.25"]
     assert lines[2].split() == ["node", "loss", "failed", "8.00s", "-"]
     assert harness.ratio(2.0, 0.0) is None and harness.ratio(None, 1.0) is None
+
+
+@pytest.mark.slow  # three runs of a 24-step job with a node lost in each
+def test_the_node_loss_benchmark_measures_all_three_and_leaves_nothing(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "recovery.py"), "--node-loss",
+         "--trials", "1", "--steps", "24", "--kill-at", "12", "--ckpt-every", "4"],
+        capture_output=True, text=True, timeout=900, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["fault"] == "node_loss" and result["left_behind"] == 0, result
+    for name in ("planaria", "planaria_standby"):
+        # Recovered, redoing at most the steps since the last persist (every 4).
+        assert result[f"{name}_failed"] == 0, proc.stdout[-3000:]
+        assert isinstance(result[f"{name}_mttr_s"], float) and result[f"{name}_mttr_s"] > 0
+        assert 0 <= result[f"{name}_steps_redone"] <= 4, result
+    # torchrun's figure is the baseline: there, or a failure the table names.
+    assert (result["torchrun_failed"] == 0) == isinstance(result["torchrun_mttr_s"], float)
+    assert "node loss: SIGKILL of every process of node 1" in proc.stdout
