@@ -2,8 +2,10 @@
 examples/train_gpt.py over gloo on 2 pods. One pod's agent is killed from outside while the
 master's watches have just expired (a forced 410 Gone); its pod fails, the master replaces it on
 the third node, never the bad one, and the job ends with bitwise the weights of a run without a
-fault; no pod and no Secret of the job is left. And what cannot start is an error that names
-the pod and Kubernetes' reason, with exit code 2 and nothing left."""
+fault; no pod and no Secret of the job is left. With a pod standing by (``job.standby``), that
+one takes the killed pod's place at once, in its rank, and the replacement refills the pool.
+And what cannot start is an error that names the pod and Kubernetes' reason, with exit code 2
+and nothing left."""
 
 from __future__ import annotations
 
@@ -33,8 +35,8 @@ def cluster() -> Iterator[EmulatedCluster]:
         yield emulated
 
 
-def job(where: Path, cluster: EmulatedCluster, command: list[str]) -> Path:
-    config = write_job(where, "k8s-e2e", command, scheduler_section(cluster, where))
+def job(where: Path, cluster: EmulatedCluster, command: list[str], **job: object) -> Path:
+    config = write_job(where, "k8s-e2e", command, scheduler_section(cluster, where), **job)
     return listen_for_nodes(config, cluster)
 
 
@@ -93,3 +95,47 @@ def test_a_pod_whose_agent_is_killed_is_replaced_on_the_free_node(
     assert final.keys() == clean_weights.keys()
     assert all(torch.equal(final[k], clean_weights[k]) for k in final)
     print(f"agent killed -> node_replaced in {took:.1f}s")
+
+
+def test_a_pod_standing_by_takes_the_place_of_one_whose_agent_is_killed(
+    tmp_path: Path, cluster: EmulatedCluster, train_gpt: list[str], clean_weights: dict[str, Any]
+) -> None:
+    """2 pods and 1 standing by: one on each of the 3 nodes. The agent of rank 1's pod is
+    SIGKILLed; the round after the loss has the pod that stood by in rank 1, and the
+    replacement (one pod per node: it goes where the failed pod was) stands by in its turn."""
+    config = job(tmp_path, cluster, train_gpt, standby=1)
+    with paused_run(tmp_path, config) as run:
+        running = job_objects(cluster, "pods", "k8s-e2e")
+        assert len(running) == 3, [p["metadata"]["name"] for p in running]
+        by_node = {p["metadata"]["labels"][pods.NODE_LABEL]: p for p in running}
+        first = next(e for e in job_events(tmp_path) if e["kind"] == "rendezvous_completed")
+        world = first["data"]["ranks"]
+        (spare,) = set(by_node) - set(world)
+        lost = next(n for n, rank in world.items() if rank == 1)
+        victim = by_node[lost]
+        pids = cluster.pod_pids(victim["metadata"]["name"])
+        assert pids, "the victim pod runs no process"
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        output, _ = run.communicate(timeout=240)
+    assert run.returncode == 0, output
+    timeline = job_events(tmp_path)
+    faults = [
+        e
+        for e in timeline
+        if e["kind"] == "fault_detected" and e["data"].get("fault") == "node_lost"
+    ]
+    assert {e["node"] for e in faults} == {lost}, faults
+    rounds = [e for e in timeline if e["kind"] == "rendezvous_completed"]
+    after = rounds[-1]
+    assert after["data"]["from_standby"] == [spare], after["message"]
+    assert after["data"]["ranks"][spare] == 1, after
+    assert f"{spare} from standby" in after["message"]
+    (replaced,) = [e for e in timeline if e["kind"] == "node_replaced"]
+    assert replaced["data"]["replacement_host"] == victim["spec"]["nodeName"], replaced
+    assert all(replaced["data"]["replacement"] not in r["data"]["ranks"] for r in rounds)
+    assert job_objects(cluster, "pods", "k8s-e2e") == []
+    final = final_weights(tmp_path)
+    assert final.keys() == clean_weights.keys()
+    assert all(torch.equal(final[k], clean_weights[k]) for k in final)

@@ -1,7 +1,9 @@
 """``planaria run`` on the session's Ray cluster, end to end: examples/train_gpt.py over gloo
 on 2 Ray nodes of 3. A Ray node whose raylet is killed from outside loses its agent; the
 master replaces it on the free Ray node and the job ends with bitwise the weights of a run
-without a fault. A killed worker restarts in place and restores from memory."""
+without a fault; with a node standing by (``job.standby``), that node takes the lost one's
+place at once, and the replacement refills the pool. A killed worker restarts in place and
+restores from memory."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 import pytest
 from ray_jobs import finished, job, on_ray, paused_run
 
+from planaria.testing import jobs
 from planaria.testing.jobs import (
     final_weights,
     job_events,
@@ -58,6 +61,48 @@ def test_a_ray_node_whose_raylet_is_killed_is_replaced_on_the_free_node(
     assert lost, [e["kind"] for e in job_events(tmp_path)]
     restored = [e for e in job_events(tmp_path) if e["kind"] == "rendezvous_completed"]
     assert restored[-1]["data"]["restore"] == "storage", restored[-1]
+    final = final_weights(tmp_path)
+    assert final.keys() == clean_weights.keys()
+    assert all(torch.equal(final[k], clean_weights[k]) for k in final)
+
+
+def test_a_ray_node_standing_by_takes_the_place_of_one_whose_raylet_is_killed(
+    tmp_path: Path, ray_cluster: LocalCluster, clean_weights: dict
+) -> None:
+    """2 nodes and 1 standing by: an actor on each of the 3 Ray nodes. A fourth Ray node joins
+    for the replacement, and the raylet of the Ray node of rank 1 is SIGKILLed (the cluster
+    keeps its size for the tests after this one); the round after the loss has the node that
+    stood by in rank 1, and the replacement stands by in its turn."""
+    config = job(tmp_path, on_ray(ray_cluster.address), standby=1)
+    with jobs.paused_run(tmp_path, config) as run:
+        (run_dir,) = tmp_path.glob("planaria-runs/*")
+        (started,) = [e for e in job_events(tmp_path) if e["kind"] == "job_started"]
+        nodes = started["data"]["nodes"]
+        assert len(nodes) == 3, nodes  # 2 in the world, 1 standing by
+        first = next(e for e in job_events(tmp_path) if e["kind"] == "rendezvous_completed")
+        world = first["data"]["ranks"]
+        (spare,) = set(nodes) - set(world)
+        lost = next(n for n, rank in world.items() if rank == 1)
+        victim = ray_cluster.ray_node_of(run_dir, lost)
+        added = ray_cluster.add_node()
+        ray_cluster.kill_raylet(victim)
+        output = finished(run)
+    assert run.returncode == 0, output
+    timeline = job_events(tmp_path)
+    faults = [
+        e
+        for e in timeline
+        if e["kind"] == "fault_detected" and e["data"].get("fault") == "node_lost"
+    ]
+    assert {e["node"] for e in faults} == {lost}, faults
+    rounds = [e for e in timeline if e["kind"] == "rendezvous_completed"]
+    after = rounds[-1]
+    assert after["data"]["from_standby"] == [spare], after["message"]
+    assert after["data"]["ranks"][spare] == 1, after
+    assert f"{spare} from standby" in after["message"]
+    (replaced,) = [e for e in timeline if e["kind"] == "node_replaced"]
+    assert replaced["data"]["replacement_host"] == added, replaced
+    assert all(replaced["data"]["replacement"] not in r["data"]["ranks"] for r in rounds)
     final = final_weights(tmp_path)
     assert final.keys() == clean_weights.keys()
     assert all(torch.equal(final[k], clean_weights[k]) for k in final)

@@ -25,11 +25,12 @@ def steps(job_id: str) -> dict[str, tuple[str, str]]:
     return found
 
 
-def submit_and_pause(where: Path) -> tuple[str, dict[str, tuple[str, str]]]:
-    """Submit the job (3 nodes: 2 and a spare) with rank 0 stopping itself at step 10, so that
-    a fault from outside lands mid-training; returns the Slurm job id and its agent steps."""
+def submit_and_pause(where: Path, standby: int = 0) -> tuple[str, dict[str, tuple[str, str]]]:
+    """Submit the job (3 nodes: 2 and a spare; ``standby`` more, ``job.standby``) with rank 0
+    stopping itself at step 10, so that a fault from outside lands mid-training; returns the
+    Slurm job id and its agent steps."""
     scheduler = {"backend": "slurm", "options": {"spares": 1, "sbatch": ["--oversubscribe"]}}
-    config = job(where, scheduler)
+    config = job(where, scheduler, standby=standby)
     chaos = ["--set", 'chaos=[{"kind": "stop_worker", "rank": 0, "at_step": 10}]']
     submitted = run_planaria(where, "submit", str(config), *chaos)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
@@ -37,7 +38,7 @@ def submit_and_pause(where: Path) -> tuple[str, dict[str, tuple[str, str]]]:
     assert job_id.isdigit(), submitted.stdout
     nodes = slurm("squeue", "-h", "-j", job_id, "-o", "%D").stdout.strip()
     wait_for("the job's start", lambda: job_state(job_id) == "RUNNING")
-    assert slurm("squeue", "-h", "-j", job_id, "-o", "%D").stdout.strip() == "3", nodes
+    assert slurm("squeue", "-h", "-j", job_id, "-o", "%D").stdout.strip() == str(3 + standby), nodes
 
     def paused() -> bool:
         return any("stop_worker" in p.read_text() for p in where.glob("planaria-runs/*/logs/*.log"))

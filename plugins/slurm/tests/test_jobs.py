@@ -1,8 +1,9 @@
 """``planaria submit`` and ``planaria run`` on a real Slurm cluster, end to end: a training job
 (examples/train_gpt.py over gloo) submitted with sbatch on 2 nodes and a spare loses a node to
 ``scontrol ... state=down`` (to ``scancel`` of its step: test_multihost.py), is replaced on the
-spare and ends with bitwise the weights of a run without a fault; with no spare left, the job
-is requeued without the bad node."""
+spare and ends with bitwise the weights of a run without a fault; with a node standing by
+(``job.standby``), the node set down has its place taken by that one at once, and the spare
+refills the pool; with no spare left, the job is requeued without the bad node."""
 
 from __future__ import annotations
 
@@ -73,6 +74,52 @@ def test_a_node_set_down_is_replaced_and_excluded(tmp_path, clean_weights, resum
     dry = run_planaria(tmp_path, "submit", "--dry-run", str(tmp_path / "job.yaml"))
     assert f"#SBATCH --exclude={host}\n" in dry.stdout, dry.stdout
     final = final_weights(tmp_path)
+    assert all(torch.equal(final[k], clean_weights[k]) for k in final)
+
+
+def test_a_node_standing_by_takes_the_place_of_a_node_set_down(
+    tmp_path, clean_weights, resume_nodes
+):
+    """2 nodes, 1 standing by and a spare: 4, the whole cluster. A node of the running world
+    (not the batch host's, where the master runs) is set down; the round after it has the node
+    that stood by, in the lost node's rank, and the replacement on the spare refills the
+    pool."""
+    job_id, agents = submit_and_pause(tmp_path, standby=1)
+    assert len(agents) == 3, agents  # 2 in the world, 1 standing by; the spare holds none
+    host_of = {name.rsplit(".", 1)[1]: host for name, (_, host) in agents.items()}
+    rounds = [e for e in job_events(tmp_path) if e["kind"] == "rendezvous_completed"]
+    world = rounds[0]["data"]["ranks"]
+    (spare,) = set(host_of) - set(world)
+    batch_host = slurm("squeue", "-h", "-j", job_id, "-o", "%B").stdout.strip()
+    victim = next(n for n in sorted(world) if host_of[n] != batch_host)
+    host = host_of[victim]
+    leftovers: list[str] = []
+    resume_nodes.append((host, leftovers))
+    slurm("scontrol", "update", f"nodename={host}", "state=down", "reason=planaria test")
+    output = finish(tmp_path, job_id)
+    assert "succeeded" in output, output
+    (run_dir,) = tmp_path.glob("planaria-runs/*")
+    leftovers += [run_dir.name, victim]
+
+    timeline = job_events(tmp_path)
+    lost = [
+        e
+        for e in timeline
+        if e["kind"] == "fault_detected" and e["data"].get("fault") == "node_lost"
+    ]
+    assert {e["node"] for e in lost} == {victim}, lost
+    rounds = [e for e in timeline if e["kind"] == "rendezvous_completed"]
+    after = rounds[-1]
+    assert after["data"]["from_standby"] == [spare], after["message"]
+    assert after["data"]["ranks"][spare] == world[victim], after
+    assert f"{spare} from standby" in after["message"]
+    # The spare's node replaced the lost one and stood by in its turn: in no round.
+    (replaced,) = [e for e in timeline if e["kind"] == "node_replaced"]
+    refill = replaced["data"]["replacement"]
+    assert refill not in host_of and replaced["data"]["replacement_host"] not in host_of.values()
+    assert all(refill not in r["data"]["ranks"] for r in rounds)
+    final = final_weights(tmp_path)
+    assert final.keys() == clean_weights.keys()
     assert all(torch.equal(final[k], clean_weights[k]) for k in final)
 
 
