@@ -306,6 +306,31 @@ def agent_sigkill(suite: Suite) -> Row:
     )
 
 
+def agent_sigkill_standby(suite: Suite) -> Row:
+    outcome = suite.run(
+        "agent-sigkill-standby",
+        job={"standby": 1},  # merged into the suite's job section
+        chaos=[{"kind": "kill_node", "node_rank": 1, "at_step": FAULT_AT}],
+    )
+    rounds = outcome.of("rendezvous_completed")
+    promoted = [r for r in rounds if r["data"].get("from_standby")]
+    taken = promoted[0]["data"]["from_standby"] if promoted else []
+    replaced = outcome.of("node_replaced")
+    refill = replaced[0]["data"]["replacement"] if replaced else "-"
+    return suite.row(
+        "agent-sigkill-standby",
+        outcome,
+        [
+            (faults(outcome, "node_lost"), "no node loss detected"),
+            (promoted, "no node standing by took the lost node's place"),
+            (all(refill not in r["data"]["ranks"] for r in rounds), "the refill joined a round"),
+            (outcome.of("recovered"), "no recovery"),
+        ],
+        f"as agent-sigkill, with job.standby 1: {', '.join(taken) or '-'} stood by and took "
+        f"node rank 1 at once, {refill} refilled the pool; restored from {restored(outcome)}",
+    )
+
+
 def resume_available(suite: Suite) -> bool:
     """Whether ``planaria run`` here can re-adopt a job (``--resume RUN_DIR``)."""
     help_ = subprocess.run(
@@ -675,6 +700,10 @@ FAULTS: dict[str, tuple[Callable[[Suite], Row], str]] = {
     "worker-exception": (worker_exception, "an exception in a worker (chaos raise_in_worker)"),
     "worker-hang": (worker_hang, "a worker SIGSTOPped (chaos stop_worker)"),
     "agent-sigkill": (agent_sigkill, "SIGKILL a node's agent: node loss (chaos kill_node)"),
+    "agent-sigkill-standby": (
+        agent_sigkill_standby,
+        "the same node loss with a node standing by (job.standby 1)",
+    ),
     "master-sigkill": (master_sigkill, "SIGKILL the master, then planaria run --resume"),
     "persister-sigkill": (persister_sigkill, "SIGKILL a persister while it writes a shard"),
     "disk-full": (disk_full, "checkpoint storage on a tmpfs too small for the checkpoints"),
@@ -705,13 +734,15 @@ def reference(suite: Suite) -> str:
     return ""
 
 
-HEADER = f"{'fault':<20} {'survived':<9} {'bitwise':<8} {'lost':>5} {'recovery':>9}  note"
+WIDTH = max(len(name) for name in FAULTS)
+"""The fault column: as wide as the longest name."""
+HEADER = f"{'fault':<{WIDTH}} {'survived':<9} {'bitwise':<8} {'lost':>5} {'recovery':>9}  note"
 
 
 def line(row: Row) -> str:
     yes = {True: "yes", False: "NO"}
     return (
-        f"{row.fault:<20} {yes[row.survived]:<9} {yes[row.bitwise_equal]:<8} "
+        f"{row.fault:<{WIDTH}} {yes[row.survived]:<9} {yes[row.bitwise_equal]:<8} "
         f"{row.steps_lost:>5} {row.recovery_s:>8.2f}s  {row.note}"
     )
 
