@@ -43,7 +43,8 @@ def submit_command(
         overrides=tuple(overrides),
         job=job.name,
         min_nodes=job.nodes.min,
-        max_nodes=job.nodes.max + job.standby,  # the nodes standing by are in the allocation
+        max_nodes=job.nodes.max,
+        standby=job.standby,
         procs_per_node=job.procs_per_node,
         workdir=Path(os.path.abspath(job.workdir.expanduser())),
         directory=here,

@@ -88,6 +88,9 @@ class SubmitRequest(BaseModel):
     job: str
     min_nodes: int
     max_nodes: int
+    standby: int = 0
+    """Nodes started beyond ``max_nodes`` to stand by (``job.standby``): the allocation holds
+    ``max_nodes + standby`` at least."""
     procs_per_node: int
     workdir: Path
     """The job's workdir, absolute (where it remembers what earlier runs learnt)."""

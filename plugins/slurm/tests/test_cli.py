@@ -109,7 +109,8 @@ def test_a_dry_run_and_validate_ask_no_slurm_controller(tmp_path: Path) -> None:
         "#SBATCH --nodes=9",  # 8 at most, 1 spare
         "#SBATCH --partition=gpu",
         "#SBATCH --time=1:30:00",
-        "# Written by planaria submit: job gpt, 4-8 node(s) of 8 worker(s), 1 spare(s).",
+        "# Written by planaria submit: job gpt, 4-8 node(s) of 8 worker(s), 0 standing by, "
+        "1 spare(s).",
     ]:
         assert line + "\n" in done.stdout, f"{line!r} missing from:\n{done.stdout}"
 
@@ -119,6 +120,12 @@ def test_a_dry_run_and_validate_ask_no_slurm_controller(tmp_path: Path) -> None:
     assert overridden.returncode == 0, overridden.stderr
     assert "#SBATCH --nodes=4\n" in overridden.stdout
     assert "job gpt, 2-3 node(s)" in overridden.stdout
+    standing = run_planaria(
+        tmp_path, "submit", "--dry-run", str(config), "--set", "job.standby=2", env=env
+    )
+    assert standing.returncode == 0, standing.stderr
+    assert "#SBATCH --nodes=11\n" in standing.stdout  # 8, 2 standing by, 1 spare
+    assert "8 worker(s), 2 standing by, 1 spare(s)." in standing.stdout
 
     valid = run_planaria(tmp_path, "config", "validate", str(config), env=env, timeout=60)
     assert valid.returncode == 0, valid.stderr

@@ -1,7 +1,8 @@
 """``planaria submit`` for Slurm: a batch script that runs ``planaria run`` on the allocation,
 handed to ``sbatch --parsable``.
 
-The allocation has the job's most nodes plus ``spares``, and ``--no-kill``: a node that goes
+The allocation has the job's most nodes, the nodes standing by (``job.standby``) and
+``spares``, and ``--no-kill``: a node that goes
 down ends its own step only, the job replaces it on a spare. Nodes found bad by earlier runs of
 the same job (remembered in ``<workdir>/.planaria``) are excluded.
 
@@ -67,7 +68,7 @@ def script(options: SlurmOptions, request: SubmitRequest) -> str:
     lines = [
         "#!/bin/sh",
         f"#SBATCH --job-name={job}",
-        f"#SBATCH --nodes={request.max_nodes + options.spares}",
+        f"#SBATCH --nodes={request.max_nodes + request.standby + options.spares}",
         "#SBATCH --ntasks-per-node=1",
         "#SBATCH --no-kill",
         f"#SBATCH --output={output}/slurm-%j.out",
@@ -103,7 +104,7 @@ def script(options: SlurmOptions, request: SubmitRequest) -> str:
         "",
         f"# Written by planaria submit: job {job}, {request.min_nodes}-"
         f"{request.max_nodes} node(s) of {request.procs_per_node} worker(s), "
-        f"{options.spares} spare(s).",
+        f"{request.standby} standing by, {options.spares} spare(s).",
         f"cd -- {shlex.quote(directory)} || exit 1",
         "# The master runs here, on the batch host: this host's address that the allocation's",
         "# nodes reach, for its agents where master.host binds every interface and",
