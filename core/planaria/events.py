@@ -344,7 +344,8 @@ class NodeRemoved(Payload):
 
 
 class RendezvousCompleted(Payload):
-    """A round closed: its members' node ranks, and where their workers restore from."""
+    """A round closed: its members' node ranks, where their workers restore from, and which
+    members stood by until it (``job.standby``)."""
 
     KIND = EventKind.RENDEZVOUS_COMPLETED
     round: int

@@ -135,37 +135,73 @@ def wait_running(job_id: str, timeout: float = 60.0) -> str:
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="session")
-def allocation(
-    slurm_cluster: dict[str, str], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
-    """A job holding every node (shared, surviving a down node) whose id tests pass as
-    scheduler.options.job_id; cancelled at the end."""
-    where = tmp_path_factory.mktemp("allocation")
-    job_id = subprocess.run(
-        [
-            "sbatch",
-            "--parsable",
-            f"-N{NODES}",
-            "--oversubscribe",
-            "--no-kill",
-            f"--chdir={where}",
-            "--output=/dev/null",
-            "--job-name=planaria-tests",
-            "--wrap",
-            "exec sleep infinity",  # it lives as long as the session: sbatch without the marker
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-        env=unmarked(),
-    ).stdout.strip()
-    try:
+class Allocations:
+    """The batch jobs that hold every node for the tests (shared, surviving a down node).
+
+    A node a test sets down leaves such a job for good (Slurm removes it, the job goes on
+    without it), even once the node is back: a module that needs every node of the allocation
+    would then find fewer. :meth:`whole` hands out a job that holds every node, a new one when
+    the last one lost some."""
+
+    def __init__(self, where: Path) -> None:
+        self.where = where
+        self.held: list[str] = []
+
+    def whole(self) -> str:
+        if self.held and len(nodes_of(self.held[-1])) == NODES:
+            return self.held[-1]
+        job_id = subprocess.run(
+            [
+                "sbatch",
+                "--parsable",
+                f"-N{NODES}",
+                "--oversubscribe",
+                "--no-kill",
+                f"--chdir={self.where}",
+                "--output=/dev/null",
+                "--job-name=planaria-tests",
+                "--wrap",
+                "exec sleep infinity",  # it lives as long as the session: sbatch without the marker
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+            env=unmarked(),
+        ).stdout.strip()
+        self.held.append(job_id)
         wait_running(job_id)
-        yield job_id
+        return job_id
+
+    def cancel(self) -> None:
+        for job_id in self.held:
+            slurm("scancel", job_id, check=False)
+
+
+def nodes_of(job_id: str) -> list[str]:
+    """The nodes Slurm job ``job_id`` holds now."""
+    nodelist = slurm("squeue", "-h", "-j", job_id, "-o", "%N").stdout.strip()
+    if not nodelist:
+        return []
+    return slurm("scontrol", "show", "hostnames", nodelist).stdout.split()
+
+
+@pytest.fixture(scope="session")
+def allocations(
+    slurm_cluster: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Allocations]:
+    held = Allocations(tmp_path_factory.mktemp("allocation"))
+    try:
+        yield held
     finally:
-        slurm("scancel", job_id, check=False)
+        held.cancel()
+
+
+@pytest.fixture(scope="module")
+def allocation(allocations: Allocations) -> str:
+    """A job holding every node, whose id tests pass as scheduler.options.job_id: each module
+    gets one that holds them all (the same one while no node was set down)."""
+    return allocations.whole()
 
 
 def job_steps(job_id: str) -> list[str]:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import slurm
+from conftest import nodes_of
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 torch = pytest.importorskip("torch")
@@ -136,7 +136,7 @@ def test_a_worker_kill_and_a_node_lost_and_started_again_end_bitwise_as_without(
     )
     line = HEAD + _launcher(f"$ADDR:{_free_port()}", "$SLURM_NODEID", chaos)
     env = _env()
-    nodes = _allocation_nodes(allocation)
+    nodes = nodes_of(allocation)
     first = (tmp_path / "step.out").open("w")
     step = subprocess.Popen(
         _srun(allocation, 2, line, f"--nodelist={nodes[0]},{nodes[1]}"),
@@ -204,11 +204,6 @@ def test_a_worker_kill_and_a_node_lost_and_started_again_end_bitwise_as_without(
     a, b = _weights(clean[0]), _weights(tmp_path)
     assert a.keys() == b.keys()
     assert all(a[k].equal(b[k]) for k in a)
-
-
-def _allocation_nodes(allocation: str) -> list[str]:
-    nodelist = slurm("squeue", "-h", "-j", allocation, "-o", "%N").stdout.strip()
-    return slurm("scontrol", "show", "hostnames", nodelist).stdout.split()
 
 
 def _said(workdir: Path) -> str:
