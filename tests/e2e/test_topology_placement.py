@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from planaria.testing.jobs import events, job, run  # noqa: E402
+from planaria.testing.jobs import events, job, run
 
 # The local scheduler gives node-N the host local-N; launched together, the switches interleave.
 SWITCH = {f"local-{i}": "s1" if i % 2 == 0 else "s2" for i in range(6)}

@@ -104,7 +104,9 @@ def test_rounds_place_by_the_configured_placement_and_rank_0_hosts_the_store():
     r.leave("x")
     r.open(10.0)
     for i, name in enumerate("ayb"):
-        r.join(name, f"10.0.0.{9 - i}", 2000 + i, 10.0 + i, {"switch": "s1" if name == "y" else "s2"})
+        r.join(
+            name, f"10.0.0.{9 - i}", 2000 + i, 10.0 + i, {"switch": "s1" if name == "y" else "s2"}
+        )
     r.join("z", "10.0.0.5", 3000, 14.0, {"switch": "s1"})
     world = r.close()
     assert {n: i.node_rank for n, i in world.items()} == {"a": 2, "y": 1, "b": 3, "z": 0}

@@ -69,7 +69,9 @@ class RendezvousConformance:
                 "a RendezvousConformance subclass must set placement_name (the name its plugin "
                 "registers) or define a `placement` fixture"
             )
-        found = PluginManager.from_entry_points().resolve(PluginKind.RENDEZVOUS, self.placement_name)
+        found = PluginManager.from_entry_points().resolve(
+            PluginKind.RENDEZVOUS, self.placement_name
+        )
         assert isinstance(found, RendezvousRecord)
         return found
 
@@ -121,9 +123,7 @@ class RendezvousConformance:
     def test_a_lost_nodes_rank_goes_to_a_newcomer(self, placement: RankPlacement[Any]) -> None:
         if not placement.keeps_ranks:
             pytest.skip("the placement does not declare keeps_ranks")
-        before = [
-            Candidate(f"node-{i}", float(i), i, {"switch": f"s{i // 2}"}) for i in range(4)
-        ]
+        before = [Candidate(f"node-{i}", float(i), i, {"switch": f"s{i // 2}"}) for i in range(4)]
         newcomer = Candidate("node-9", 9.0, None, {"switch": "s0"})
         candidates = [before[0], *before[2:], newcomer]  # node-1 (rank 1) was lost
         placed = placement.place(candidates, 4)
