@@ -184,6 +184,11 @@ BAD = [
         "rendezvous.options.lable",
         "did you mean 'label'",
     ),
+    (
+        "scheduler: {backend: local, options: {topology: {node-0: {switch: s1}}}}",
+        "scheduler.options.topology",
+        "topology keys are the local scheduler's host names, local-0, local-1",
+    ),
     ("checkpoint: {keep_last: 0}", "checkpoint.keep_last", "greater than or equal to 1"),
     ("plugins: {disable: host}", "plugins.disable", "valid list"),
     ("logging: {format: xml}", "logging.format", "'console' or 'json'"),
