@@ -6,6 +6,7 @@ and with them what they hold in memory. They differ in where a newcomer goes.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,6 +31,19 @@ def _members(candidates: Sequence[Candidate], size: int, kept: dict[str, int]) -
     members = [c for c in arrived if c.node_id in kept]
     members += [c for c in arrived if c.node_id not in kept][: size - len(members)]
     return members
+
+
+def _nearest(free: list[int], held: list[int]) -> int:
+    """The free rank (``free`` sorted) nearest to one of ``held``; the lower on a tie."""
+    best: tuple[int, int] | None = None
+    for rank in held:
+        at = bisect.bisect_left(free, rank)
+        for index in (at - 1, at):
+            if 0 <= index < len(free):
+                choice = (abs(free[index] - rank), free[index])
+                best = choice if best is None or choice < best else best
+    assert best is not None, "no free rank for a newcomer"
+    return best[1]
 
 
 class StablePlacement(RankPlacement[NoOptions]):
@@ -92,17 +106,20 @@ class TopologyPlacement(RankPlacement[TopologyOptions]):
         placed = dict(kept)
         free = sorted(set(range(size)) - set(kept.values()))
         groups = {c.node_id: self._group(c) for c in members}
+        held: dict[tuple[int, str], list[int]] = {}
+        for node_id, rank in kept.items():
+            held.setdefault(groups[node_id], []).append(rank)
         # Newcomers whose group holds ranks first: each placement may pull the next closer.
         later = []
         for candidate in newcomers:
             group = groups[candidate.node_id]
-            held = [r for n, r in placed.items() if groups[n] == group]
-            if not held:
+            if group not in held:
                 later.append(candidate)
                 continue
-            rank = min(free, key=lambda r: (min(abs(r - h) for h in held), r))
+            rank = _nearest(free, held[group])
             free.remove(rank)
             placed[candidate.node_id] = rank
+            held[group].append(rank)
         for candidate in later:  # in (group, join time) order: a new group stays together
             placed[candidate.node_id] = free.pop(0)
         return placed
