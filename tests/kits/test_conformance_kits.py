@@ -105,6 +105,34 @@ def test_the_fault_pattern_kit(run_kit: Callable[..., PytestRun]) -> None:
     }, run.output
 
 
+def test_the_rank_placement_kit(run_kit: Callable[..., PytestRun]) -> None:
+    run = run_kit("broken_placements.py")
+    assert failures_by_class(run) == {
+        "TestGood": set(),
+        "TestTopology": set(),
+        "TestEveryOne": {
+            "test_every_round_gets_size_members_ranked_0_to_size",
+            "test_survivors_keep_their_ranks",
+            "test_a_lost_nodes_rank_goes_to_a_newcomer",
+        },
+        "TestFromOne": {
+            "test_every_round_gets_size_members_ranked_0_to_size",
+            "test_a_world_of_one_and_a_world_of_everyone",
+            "test_survivors_keep_their_ranks",
+            "test_a_lost_nodes_rank_goes_to_a_newcomer",
+        },
+        "TestShuffled": {"test_the_same_round_is_placed_the_same"},
+        "TestForgetsSurvivors": {
+            "test_survivors_keep_their_ranks",
+            "test_a_lost_nodes_rank_goes_to_a_newcomer",
+        },
+        "TestSortsInPlace": {"test_the_candidates_are_left_as_they_came"},
+    }, run.output
+    # Only the placement that does not say it keeps ranks skips the survivors' tests.
+    assert {t.split("::")[0] for t in run.named("skipped")} == {"TestShuffled"}, run.messages
+    assert "survivors moved" in run.output
+
+
 @pytest.mark.slow
 def test_the_scheduler_kit(run_kit: Callable[..., PytestRun]) -> None:
     run = run_kit("broken_schedulers.py")

@@ -39,6 +39,7 @@ def test_every_kit_example_passes(tmp_path: Path) -> None:
         "test_kit_scheduler.py",
         "test_kit_node_benchmark.py",
         "test_kit_fault_patterns.py",
+        "test_kit_rendezvous.py",
         "test_kit_storage.py",
         "test_loadavg_in_process.py",
     }
@@ -56,5 +57,6 @@ def test_every_kit_example_passes(tmp_path: Path) -> None:
         "TestLocalScheduler",
         "TestCpuBenchmark",
         "TestMyChipPatterns",
+        "TestTopologyByRack",
         "TestLocalStorage",
     } <= classes, run.output

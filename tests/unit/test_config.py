@@ -18,6 +18,7 @@ from planaria.durations import format_duration, parse_duration
 from planaria.errors import ConfigError
 from planaria.health.host import HostOptions
 from planaria.plugin.manager import PluginManager
+from planaria.rendezvous.builtin import StablePlacement, TopologyOptions
 from planaria.storage.local import LocalStorage
 from support.cli import problems, write
 
@@ -88,7 +89,9 @@ def test_defaults_only(tmp_path):
     assert [c.name for c in resolved.checks] == ["host"]
     # Built-in defaults resolve, the default storage included.
     assert resolved.backends["scheduler"].record.name == "local"
-    assert "rendezvous" not in resolved.backends  # the master forms rounds: no plugin
+    rendezvous = resolved.backends["rendezvous"]  # the master places ranks as it always did
+    assert rendezvous.record.name == "stable"
+    assert rendezvous.record.factory is StablePlacement
     storage = resolved.backends["checkpoint.storage"]
     assert storage.record.name == "local"
     assert storage.record.factory is LocalStorage
@@ -171,7 +174,21 @@ BAD = [
         "pip install planaria-fsspec",
     ),
     ("rendezvous: {join_grace: soon}", "rendezvous.join_grace", "invalid duration"),
-    ("rendezvous: {backend: etcd}", "rendezvous", "rounds are formed by the job master"),
+    (
+        "rendezvous: {backend: etcd}",
+        "rendezvous.backend",
+        "rendezvous 'etcd' is not installed. Choose one of: stable, topology",
+    ),
+    (
+        "rendezvous: {backend: topology, options: {lable: rack}}",
+        "rendezvous.options.lable",
+        "did you mean 'label'",
+    ),
+    (
+        "scheduler: {backend: local, options: {topology: {node-0: {switch: s1}}}}",
+        "scheduler.options.topology",
+        "topology keys are the local scheduler's host names, local-0, local-1",
+    ),
     ("checkpoint: {keep_last: 0}", "checkpoint.keep_last", "greater than or equal to 1"),
     ("plugins: {disable: host}", "plugins.disable", "valid list"),
     ("logging: {format: xml}", "logging.format", "'console' or 'json'"),
@@ -375,3 +392,17 @@ def test_arbitrary_text_is_a_config_error_or_a_config(text):
         assert exc.issues
         return
     assert isinstance(raw.data, dict)
+
+
+def test_rendezvous_backend_takes_its_options_and_master_still_reads(tmp_path):
+    resolved, _ = load(
+        write(tmp_path, "rendezvous: {backend: topology, options: {label: rack}}\n", "a.yaml")
+    )
+    topology = resolved.backends["rendezvous"]
+    assert topology.record.name == "topology"
+    assert topology.options == TopologyOptions(label="rack")
+    assert resolved.dump()["rendezvous"]["options"] == {"label": "rack"}
+    # Files from before rank placements were plugins: "master" placed ranks as stable does.
+    old, _ = load(write(tmp_path, "rendezvous: {backend: master, join_grace: 3s}\n", "b.yaml"))
+    assert old.backends["rendezvous"].record.name == "stable"
+    assert old.config.rendezvous.join_grace == 3.0

@@ -70,10 +70,13 @@ class SchedulerSection(BackendSection):
     backend: str = Field(default="local", min_length=1)
 
 
-class RendezvousSection(Section):
-    """How the master forms rounds. Rendezvous is the master's own work, not a plugin: its
-    exclusions, rank keeping and restore decisions need every join to pass through it."""
+class RendezvousSection(BackendSection):
+    """How the master forms rounds. Membership, exclusion and fencing are the master's own
+    work (every join passes through it); ``backend`` picks the rank placement, which member
+    gets which node rank (:mod:`planaria.rendezvous.api`)."""
 
+    kind: ClassVar[PluginKind] = PluginKind.RENDEZVOUS
+    backend: str = Field(default="stable", min_length=1)
     join_timeout: Duration = Field(default=300.0, description="how long a round may wait")
     join_grace: Duration = Field(
         default=10.0, description="once min nodes joined, close when nobody came for this long"
@@ -81,14 +84,11 @@ class RendezvousSection(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _no_backend(cls, value: Any) -> Any:
-        if isinstance(value, dict) and "backend" in value:
-            if value["backend"] != "master":
-                raise ValueError(
-                    f"backend {value['backend']!r}: rounds are formed by the job master, the "
-                    "one backend there is; remove rendezvous.backend"
-                )
-            value = {k: v for k, v in value.items() if k != "backend"}
+    def _master_is_stable(cls, value: Any) -> Any:
+        # Files from before rank placements were plugins named the one backend "master",
+        # which placed ranks as ``stable`` does.
+        if isinstance(value, dict) and value.get("backend") == "master":
+            value = {**value, "backend": "stable"}
         return value
 
 

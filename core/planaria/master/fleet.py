@@ -99,7 +99,7 @@ class Fleet:
             self.launching -= 1
         self._handles(handles)
         for handle in handles:
-            self.add(Node(handle.node_id, handle.host))
+            self.add(Node(handle.node_id, handle.host, topology=dict(handle.topology)))
         return handles
 
     def replace(self, node: Node, *, exclude_host: bool) -> Awaitable[Node]:
@@ -114,7 +114,7 @@ class Fleet:
                     self.scheduler.replace, node.node_id, exclude_host=exclude_host
                 )
                 self._handles([handle])
-                new = self.add(Node(handle.node_id, handle.host))
+                new = self.add(Node(handle.node_id, handle.host, topology=dict(handle.topology)))
             finally:
                 self._replacing -= 1
             return new
@@ -246,7 +246,7 @@ class Fleet:
         except SchedulerError as exc:
             raise self._refuse(request, str(exc)) from None
         self._handles([handle])
-        return self.add(Node(handle.node_id, handle.host))
+        return self.add(Node(handle.node_id, handle.host, topology=dict(handle.topology)))
 
     def _refuse(self, request: RegisterRequest, why: str) -> RegistrationRefused:
         message = (

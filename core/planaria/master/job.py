@@ -116,6 +116,7 @@ class Master:
             node_unit=settings.node_unit,
             join_grace=settings.join_grace,
             procs_per_node=self.spec.procs_per_node,
+            placement=settings.placement,
         )
         self.timeline = Timeline(run_dir / "events.jsonl", self.spec.job, observer or _ignore)
         self.on_output: Callable[[WorkersOutput], None] = lambda report: None
@@ -263,9 +264,10 @@ class Master:
         self.saw_step(self.checkpoints.committed_step)
         with damaged(path, "part 'fence'"):
             self.fence.generation = int(parts["fence"])
+        topology: dict[str, dict[str, str]] = {}
         for node_id, raw in journalled.handles.items():
             with damaged(path, f"the handle of node {node_id!r}"):
-                NodeHandle.model_validate(raw)
+                topology[node_id] = NodeHandle.model_validate(raw).topology
         self.preflight.finished = True
         now = time.monotonic()
         # What training had reached when the master before this one last heard: a fault of
@@ -274,6 +276,7 @@ class Master:
         for node_id, record in journalled.nodes.items():
             with damaged(path, f"node {node_id!r}"):
                 node = Node.from_record(record)
+            node.topology = dict(topology.get(node.node_id, {}))
             node.attached = node.phase in (NodePhase.LAUNCHED,) or node.phase.gone
             node.last_seen = now
             node.step = steps.get(node.node_id, -1)
@@ -471,7 +474,7 @@ class Master:
             # Held until the next round opens (a lost node's place to take) or ``wait``.
             waiting = self._next_round.waiter(wait)
             return standing if waiting is None else Deferred(waiting, lambda: standing)
-        self.rounds.join(request.node_id, request.addr, request.port, time.time())
+        self.rounds.join(request.node_id, request.addr, request.port, time.time(), node.topology)
         node.phase = NodePhase.JOINED
         self._maybe_close()
         round_now, settled = self.rounds.round, self._round_settled

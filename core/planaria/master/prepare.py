@@ -8,6 +8,7 @@ import datetime
 import secrets
 import sys
 from pathlib import Path
+from typing import Any
 
 from planaria.config import ResolvedConfig
 from planaria.config.machine import machine_issues, workdir_issues
@@ -16,6 +17,8 @@ from planaria.errors import ConfigError, ConfigIssue
 from planaria.master.state import JobSettings
 from planaria.plugin.manager import PluginManager
 from planaria.protocol import CheckpointSpec, JobSpec
+from planaria.rendezvous.api import RankPlacement
+from planaria.rendezvous.builtin import StablePlacement
 
 
 def preflight_issues(resolved: ResolvedConfig, asked: bool = False) -> list[ConfigIssue]:
@@ -155,4 +158,15 @@ def job_settings(
         join_timeout=config.rendezvous.join_timeout,
         diagnosis=master_policy(resolved, manager, preflight_only),
         standby=0 if preflight_only else config.job.standby,
+        placement=rank_placement(resolved),
     )
+
+
+def rank_placement(resolved: ResolvedConfig) -> RankPlacement[Any]:
+    """The configured rank placement (``rendezvous.backend``); ``stable`` where the section
+    was left at its default and resolved to nothing."""
+    backend = resolved.backends.get("rendezvous")
+    if backend is None:
+        return StablePlacement()
+    placement: RankPlacement[Any] = backend.record.factory(backend.options)
+    return placement

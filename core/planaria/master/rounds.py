@@ -3,16 +3,25 @@
 A round closes when ``max`` nodes joined; or when every node the master still expects has
 joined and at least ``min`` did; or when at least ``min`` joined and nobody came for
 ``join_grace``. The world is cut to a multiple of ``node_unit``; nodes beyond it stand by for the
-next round. Nodes that stay keep their node rank where they can; newcomers fill the holes.
+next round. Which member gets which node rank is the configured rank placement's
+(:mod:`planaria.rendezvous.api`; ``stable``: nodes that stay keep their node rank where they
+can, newcomers fill the holes in join order); an answer that breaks its contract is logged and
+the round placed by ``stable``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Set
-from dataclasses import dataclass
+from collections.abc import Mapping, Set
+from dataclasses import dataclass, field
 from typing import Any
 
+from planaria.log import get_logger
+from planaria.plugin.info import one_line
 from planaria.protocol import RendezvousInfo
+from planaria.rendezvous.api import Candidate, RankPlacement, check_placement
+from planaria.rendezvous.builtin import StablePlacement
+
+log = get_logger("master")
 
 
 @dataclass
@@ -21,6 +30,7 @@ class _Joiner:
     addr: str
     port: int
     since: float
+    topology: Mapping[str, str] = field(default_factory=dict)
 
 
 class Rounds:
@@ -32,7 +42,9 @@ class Rounds:
         node_unit: int,
         join_grace: float,
         procs_per_node: int,
+        placement: RankPlacement[Any] | None = None,
     ) -> None:
+        self.placement: RankPlacement[Any] = placement or StablePlacement()
         self.min_nodes = min_nodes
         self.max_nodes = max_nodes
         self.node_unit = node_unit
@@ -58,12 +70,20 @@ class Rounds:
         self._last_join = now
         return self.round
 
-    def join(self, node_id: str, addr: str, port: int, now: float) -> None:
+    def join(
+        self,
+        node_id: str,
+        addr: str,
+        port: int,
+        now: float,
+        topology: Mapping[str, str] | None = None,
+    ) -> None:
+        """``topology``: where the scheduler says the node stands, for the rank placement."""
         if self.closed:
             raise RuntimeError("join() on a closed round: open() the next one first")
         if node_id not in self._joiners:
             self._last_join = now
-        self._joiners[node_id] = _Joiner(node_id, addr, port, now)
+        self._joiners[node_id] = _Joiner(node_id, addr, port, now, dict(topology or {}))
 
     def leave(self, node_id: str) -> None:
         """A node is gone: it no longer counts toward this round, and loses its rank."""
@@ -98,17 +118,21 @@ class Rounds:
     def close(self) -> dict[str, RendezvousInfo]:
         """Form the world: ranks, and torch.distributed's address from the node of rank 0."""
         size = self._world_size()
-        joiners = sorted(self._joiners.values(), key=lambda j: j.since)
-        # Nodes that had a rank keep it if it still fits; the others fill the free ranks.
-        keep = {
-            j.node_id: self._ranks[j.node_id]
-            for j in joiners
-            if self._ranks.get(j.node_id, size) < size
-        }
-        members = [j for j in joiners if j.node_id in keep]
-        members += [j for j in joiners if j.node_id not in keep][: size - len(members)]
-        free = iter(sorted(set(range(size)) - set(keep.values())))
-        ranks = {j.node_id: keep[j.node_id] if j.node_id in keep else next(free) for j in members}
+        joiners = {j.node_id: j for j in sorted(self._joiners.values(), key=lambda j: j.since)}
+        ranks = self._place(
+            [
+                Candidate(j.node_id, j.since, self._ranks.get(j.node_id), j.topology)
+                for j in joiners.values()
+            ],
+            size,
+        )
+        # In the order the world was always listed: survivors first, then by arrival.
+        members = [
+            j
+            for j in joiners.values()
+            if j.node_id in ranks and self._ranks.get(j.node_id, size) < size
+        ]
+        members += [j for j in joiners.values() if j.node_id in ranks and j not in members]
         leader = next(j for j in members if ranks[j.node_id] == 0)
         self._ranks = dict(ranks)
         self.world = {
@@ -125,6 +149,20 @@ class Rounds:
         }
         self.closed = True
         return self.world
+
+    def _place(self, candidates: list[Candidate], size: int) -> dict[str, int]:
+        """The placement's ranks; ``stable``'s where it raises or breaks the contract: a
+        broken placement must not keep the job from running."""
+        try:
+            return check_placement(self.placement.place(candidates, size), candidates, size)
+        except Exception as exc:
+            log.warning(
+                "rank placement failed; placing this round as 'stable' does",
+                placement=self.placement.name or type(self.placement).__name__,
+                round=self.round,
+                error=one_line(exc),
+            )
+            return StablePlacement().place(candidates, size)
 
     def snapshot(self) -> dict[str, Any]:
         """What a restarted master needs to go on with the same round (its journal's copy).

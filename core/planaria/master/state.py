@@ -18,6 +18,8 @@ from typing import Any, Generic, TypeVar
 from planaria.diagnosis.policy import DiagnosisPolicy
 from planaria.master.policy import Rules
 from planaria.protocol import Action, JobSpec, MemoryHolding
+from planaria.rendezvous.api import RankPlacement
+from planaria.rendezvous.builtin import StablePlacement
 
 T = TypeVar("T", covariant=True)
 U = TypeVar("U")
@@ -212,6 +214,9 @@ class Node:
     attached: bool = True
     """False from a restarted master's start until the node's agent re-attaches (tells what
     it runs): until then the master refuses its other requests with "re-attach first"."""
+    topology: dict[str, str] = field(default_factory=dict)
+    """Where the scheduler says the node stands (its handle's ``topology``): what a rank
+    placement groups nodes by. A restarted master reads it back from the handles."""
     on_change: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
     """Told the node's id when a field the journal keeps changes."""
     on_phase: Callable[[NodePhase, NodePhase], None] | None = field(
@@ -269,6 +274,8 @@ class JobSettings:
     diagnosis: DiagnosisPolicy = field(default_factory=DiagnosisPolicy)
     standby: int = 0
     """Nodes started beyond ``max_nodes`` that stand by, warm, for a lost node's place."""
+    placement: RankPlacement[Any] = field(default_factory=StablePlacement)
+    """Which member of a round gets which node rank (``rendezvous.backend``)."""
 
     @property
     def rules(self) -> Rules:

@@ -6,7 +6,8 @@
 
 Each name lives in its kind's ``api`` module (``planaria.health.api``, ``planaria.scheduler.api``
 and the engine a scheduler runs on, ``planaria.scheduler.engine``,
-``planaria.storage.api``, ``planaria.node_benchmark.api``, ``planaria.fault_pattern.api``; the
+``planaria.storage.api``, ``planaria.node_benchmark.api``, ``planaria.fault_pattern.api``,
+``planaria.rendezvous.api``; the
 errors a plugin raises, and the ``ConfigError`` its bad options are, from ``planaria.errors``);
 this module hands them out on first use, so that importing the markers loads no kind at all.
 """
@@ -60,6 +61,7 @@ _HOME = {
         "FaultPattern",
         "match",
     ),
+    "planaria.rendezvous.api": ("Candidate", "RankPlacement", "RendezvousRecord"),
     "planaria.events": ("EventKind", "JobEvent"),
     "planaria.errors": (
         "ConfigError",
@@ -77,6 +79,7 @@ __all__ = [
     "PROJECT_NAME",
     "BenchmarkContext",
     "BenchmarkResult",
+    "Candidate",
     "CheckContext",
     "CheckResult",
     "CheckpointStorage",
@@ -105,6 +108,8 @@ __all__ = [
     "PlanariaError",
     "PluginKind",
     "PluginRecord",
+    "RankPlacement",
+    "RendezvousRecord",
     "Scheduler",
     "SchedulerError",
     "SchedulerRecord",
@@ -168,6 +173,7 @@ if TYPE_CHECKING:
         NodeBenchmarkRecord,
     )
     from planaria.plugin.records import NoOptions, PluginKind, PluginRecord, normalize_name
+    from planaria.rendezvous.api import Candidate, RankPlacement, RendezvousRecord
     from planaria.scheduler.api import (
         LaunchSpec,
         NodeEvent,

@@ -20,6 +20,7 @@ from planaria.fault_pattern.api import FaultPattern
 from planaria.health.api import HealthCheckRecord
 from planaria.node_benchmark.api import NodeBenchmarkRecord
 from planaria.plugin import hookspec
+from planaria.rendezvous.api import RendezvousRecord
 from planaria.scheduler.api import SchedulerRecord
 from planaria.storage.api import CheckpointStorageRecord
 
@@ -96,6 +97,23 @@ class PlanariaSpecs:
             def planaria_fault_patterns():
                 yield FaultPattern(pattern=r"MYCHIP-E(?:17|42)\b", kind="node",
                                    reason="MyChip HBM uncorrectable error")
+        """
+        raise NotImplementedError
+
+    @hookspec
+    def planaria_rendezvous(self) -> Iterable[RendezvousRecord]:
+        """Register rank placements, selected by ``rendezvous.backend``: which member of a
+        round gets which node rank (the master keeps membership, exclusion and fencing).
+        The core's are ``stable`` (the default) and ``topology``; the contract is
+        :mod:`planaria.rendezvous.api`'s, checked by
+        :class:`planaria.testing.rendezvous.RendezvousConformance`.
+
+        Example::
+
+            @planaria.hookimpl
+            def planaria_rendezvous():
+                yield RendezvousRecord(name="byrack", factory=ByRack, options=ByRackOptions,
+                                       summary="nodes of one rack get contiguous node ranks")
         """
         raise NotImplementedError
 

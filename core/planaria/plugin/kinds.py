@@ -7,6 +7,7 @@ from planaria.fault_pattern.api import FaultPattern
 from planaria.health.api import HealthCheckRecord
 from planaria.node_benchmark.api import NodeBenchmarkRecord
 from planaria.plugin.records import PluginKind, PluginRecord
+from planaria.rendezvous.api import RendezvousRecord
 from planaria.scheduler.api import SchedulerRecord
 from planaria.storage.api import CheckpointStorageRecord
 
@@ -16,6 +17,7 @@ RECORD_TYPES: dict[PluginKind, type[PluginRecord] | type[FaultPattern]] = {
     PluginKind.CHECKPOINT_STORAGE: CheckpointStorageRecord,
     PluginKind.NODE_BENCHMARK: NodeBenchmarkRecord,
     PluginKind.FAULT_PATTERN: FaultPattern,
+    PluginKind.RENDEZVOUS: RendezvousRecord,
 }
 if set(RECORD_TYPES) != set(PluginKind):  # pragma: no cover - caught by any test run
     raise RuntimeError("every PluginKind needs its record type in planaria.plugin.kinds")

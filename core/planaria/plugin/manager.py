@@ -9,6 +9,7 @@ never takes the others down; it becomes an error only when the configuration sel
 from __future__ import annotations
 
 import difflib
+import importlib
 from collections.abc import Iterable, Mapping
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import pluggy
 from pydantic import BaseModel
 
-from planaria import install
+from planaria import __version__, install
 from planaria.errors import (
     ConfigIssue,
     DuplicatePluginError,
@@ -49,6 +50,11 @@ __all__ = [
 ]
 
 log = get_logger("plugins")
+
+ESSENTIAL: dict[str, str] = {"rendezvous": "planaria.rendezvous.builtin"}
+"""Core plugins loaded with the entry points, not through them, and never blocked: every job's
+master places ranks with one of them (``stable`` unless the file says otherwise), so a blocked
+or missing one would stop every job. They register through the same hooks as any plugin."""
 
 
 class PluginManager:
@@ -121,6 +127,11 @@ class PluginManager:
 
     def load_entry_points(self, only: Iterable[str] | None = None) -> None:
         wanted = None if only is None else {normalize_name(n) for n in only}
+        for name, module in ESSENTIAL.items():
+            if (wanted is None or name in wanted) and name not in self.plugins:
+                info = PluginInfo(name, module, distribution="planaria", version=__version__)
+                self.plugins[name] = info
+                self._register(importlib.import_module(module), info)
         for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
             if wanted is None or normalize_name(ep.name) in wanted:
                 self._load_entry_point(ep)

@@ -34,6 +34,8 @@ class PluginKind(str, Enum):
     NODE_BENCHMARK = "node_benchmark"
     FAULT_PATTERN = "fault_pattern"
     """Unnamed and never selected: every registered pattern classifies, in order."""
+    RENDEZVOUS = "rendezvous"
+    """Rank placement in the master's rounds, selected by ``rendezvous.backend``."""
 
     @property
     def label(self) -> str:
@@ -41,7 +43,8 @@ class PluginKind(str, Enum):
 
     @property
     def hook(self) -> str:
-        return f"planaria_{self.value}s"
+        # "rendezvous" is its own plural.
+        return f"planaria_{self.value}" if self.value.endswith("s") else f"planaria_{self.value}s"
 
 
 class NoOptions(BaseModel):

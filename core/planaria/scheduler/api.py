@@ -63,6 +63,10 @@ class NodeHandle(BaseModel):
     data: dict[str, str] = Field(default_factory=dict)
     """What the scheduler needs to find the node again (:meth:`Scheduler.adopt`): kept in
     the master's journal, never shown to agents."""
+    topology: dict[str, str] = Field(default_factory=dict)
+    """Where the node stands in the cluster's network, as labels (``{"switch": "s1"}``): a
+    rank placement (``rendezvous.backend: topology``) gives nodes of one switch contiguous
+    node ranks. Empty when the scheduler does not know."""
 
 
 class NodeEvent(BaseModel):

@@ -204,6 +204,11 @@ class EngineScheduler(Scheduler[OptionsT], Generic[OptionsT, DataT]):
         """What a started node's handle carries for :meth:`adopt` (kept in the journal)."""
         return {}
 
+    def handle_topology(self, node: EngineNode[DataT]) -> dict[str, str]:
+        """Where the node stands in the cluster's network (``{"switch": "s1"}``), for a
+        rank placement; empty when the scheduler does not know."""
+        return {}
+
     def retire(self, node: EngineNode[DataT]) -> None:
         """What :meth:`replace` does with the node it lets go of: terminate it."""
         self.terminate([node], self.stop_grace)
@@ -414,7 +419,9 @@ class EngineScheduler(Scheduler[OptionsT], Generic[OptionsT, DataT]):
 
     def _handle(self, node: EngineNode[DataT]) -> NodeHandle:
         data = self.handle_data(node) if node.started else {}
-        return NodeHandle(node_id=node.node_id, host=node.host, data=data)
+        return NodeHandle(
+            node_id=node.node_id, host=node.host, data=data, topology=self.handle_topology(node)
+        )
 
     def _release(self, nodes: Iterable[EngineNode[DataT]]) -> None:
         ids = set()

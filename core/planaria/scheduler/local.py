@@ -131,6 +131,25 @@ class LocalOptions(BaseModel):
         "`ip netns exec` (needs root; each must exist)",
     )
 
+    topology: dict[str, dict[str, str]] = Field(
+        default_factory=dict,
+        description="topology labels of the virtual hosts, put in each node's handle as a "
+        "cluster's scheduler would: {local-0: {switch: s1}, local-1: {switch: s2}}; to "
+        "rehearse a topology rank placement (rendezvous.backend: topology) on one machine",
+    )
+
+    @field_validator("topology")
+    @classmethod
+    def _topology_hosts(cls, hosts: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+        # A misspelled host would silently get no labels.
+        wrong = [h for h in hosts if not re.fullmatch(r"local-(0|[1-9][0-9]*)", h)]
+        if wrong:
+            raise ValueError(
+                f"{', '.join(map(repr, wrong))}: topology keys are the local scheduler's host "
+                "names, local-0, local-1, ..."
+            )
+        return hosts
+
     @field_validator("netns")
     @classmethod
     def _netns_names(cls, names: list[str]) -> list[str]:
@@ -437,6 +456,10 @@ class LocalScheduler(EngineScheduler[LocalOptions, _Process]):
         """The pid and its start time: they name the process for good (:meth:`adopt`)."""
         assert node.data is not None
         return {"pid": str(node.data.pid), "start": start_time(node.data.pid) or ""}
+
+    def handle_topology(self, node: _LocalNode) -> dict[str, str]:
+        """The ``topology`` option's labels of the node's host."""
+        return dict(self.options.topology.get(node.host, {}))
 
     def observe(self) -> list[NodeEvent]:
         """Every exit of a watched node, as an event."""

@@ -14,6 +14,7 @@ from planaria.testing.fault_pattern import (
 from planaria.testing.health import CheckCase, HealthCheckConformance, run_check
 from planaria.testing.leftovers import assert_nothing_left
 from planaria.testing.node_benchmark import NodeBenchmarkConformance
+from planaria.testing.rendezvous import RendezvousConformance
 from planaria.testing.scheduler import Cluster, SchedulerConformance
 from planaria.testing.storage import StorageConformance, StorageFactorySpec, build_storage
 
@@ -25,6 +26,7 @@ __all__ = [
     "FaultPatternConformance",
     "HealthCheckConformance",
     "NodeBenchmarkConformance",
+    "RendezvousConformance",
     "SchedulerConformance",
     "StorageConformance",
     "StorageFactorySpec",

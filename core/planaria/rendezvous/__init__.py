@@ -1,0 +1,1 @@
+"""Rendezvous rank placement: the interface (``api``) and the core's placements (``builtin``)."""
