@@ -190,11 +190,7 @@ def test_the_job_shrinks_when_a_node_s_launcher_is_killed_and_grows_when_it_is_b
     assert "slot is kept open for it to come back" in kept["message"], kept
     # After the loss: a round without the node (shrunk), then one with it again (grown).
     after = [e for e in timeline if e["time"] >= killed_at]
-    sizes = [
-        int(e["message"].split("world size ")[1].split(";")[0])
-        for e in after
-        if e["kind"] == "rendezvous_completed"
-    ]
+    sizes = [e["data"]["world_size"] for e in after if e["kind"] == "rendezvous_completed"]
     assert 2 in sizes and sizes[-1] == 4 and sizes.index(2) < len(sizes) - 1, sizes
     (finished,) = [e for e in timeline if e["kind"] == "job_finished"]
     assert finished["data"]["state"] == "succeeded"

@@ -219,6 +219,29 @@ def final_weights(where: Path) -> dict[str, Any]:
     return weights(path)
 
 
+def standby_took_over(timeline: Sequence[dict[str, Any]], lost: str, spare: str) -> dict[str, Any]:
+    """Check, in a job's events, that ``lost`` was the one node lost and that ``spare``, a node
+    standing by (``job.standby``), took its node rank in the round after; and that the
+    scheduler's replacement of ``lost`` joined no round (it refilled the pool). Returns the
+    ``node_replaced`` event."""
+    lost_events = [
+        e
+        for e in timeline
+        if e["kind"] == "fault_detected" and e["data"].get("fault") == "node_lost"
+    ]
+    assert {e["node"] for e in lost_events} == {lost}, lost_events
+    rounds = [e for e in timeline if e["kind"] == "rendezvous_completed"]
+    before = next(r for r in reversed(rounds) if lost in r["data"]["ranks"])
+    after = rounds[-1]
+    assert after["data"].get("from_standby") == [spare], after["message"]
+    assert after["data"]["ranks"][spare] == before["data"]["ranks"][lost], after
+    assert f"{spare} from standby" in after["message"]
+    (replaced,) = [e for e in timeline if e["kind"] == "node_replaced"]
+    refill = replaced["data"]["replacement"]
+    assert all(refill not in r["data"]["ranks"] for r in rounds), rounds
+    return replaced
+
+
 def wait_for(
     what: str, predicate: Callable[[], T], timeout: float = 120.0, every: float = 0.2
 ) -> T:

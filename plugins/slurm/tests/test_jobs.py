@@ -15,7 +15,13 @@ import pytest
 from conftest import EXAMPLE, job, slurm
 from slurm_jobs import finish, job_state, steps, submit_and_pause
 
-from planaria.testing.jobs import final_weights, job_events, run_planaria, wait_for
+from planaria.testing.jobs import (
+    final_weights,
+    job_events,
+    run_planaria,
+    standby_took_over,
+    wait_for,
+)
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
@@ -101,23 +107,10 @@ def test_a_node_standing_by_takes_the_place_of_a_node_set_down(
     (run_dir,) = tmp_path.glob("planaria-runs/*")
     leftovers += [run_dir.name, victim]
 
-    timeline = job_events(tmp_path)
-    lost = [
-        e
-        for e in timeline
-        if e["kind"] == "fault_detected" and e["data"].get("fault") == "node_lost"
-    ]
-    assert {e["node"] for e in lost} == {victim}, lost
-    rounds = [e for e in timeline if e["kind"] == "rendezvous_completed"]
-    after = rounds[-1]
-    assert after["data"]["from_standby"] == [spare], after["message"]
-    assert after["data"]["ranks"][spare] == world[victim], after
-    assert f"{spare} from standby" in after["message"]
-    # The spare's node replaced the lost one and stood by in its turn: in no round.
-    (replaced,) = [e for e in timeline if e["kind"] == "node_replaced"]
-    refill = replaced["data"]["replacement"]
-    assert refill not in host_of and replaced["data"]["replacement_host"] not in host_of.values()
-    assert all(refill not in r["data"]["ranks"] for r in rounds)
+    replaced = standby_took_over(job_events(tmp_path), victim, spare)
+    # The spare's node replaced the lost one and stood by in its turn.
+    assert replaced["data"]["replacement"] not in host_of
+    assert replaced["data"]["replacement_host"] not in host_of.values()
     final = final_weights(tmp_path)
     assert final.keys() == clean_weights.keys()
     assert all(torch.equal(final[k], clean_weights[k]) for k in final)
