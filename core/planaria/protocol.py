@@ -2,6 +2,10 @@
 
 Versioned by path: a change that old agents cannot read gets a new prefix. Never pickle.
 Every request carries the job's token (``Authorization: Bearer ...``).
+
+Why one module: these models are one contract between two programs of different versions (an
+agent and a master); kept together, a change to the wire is one reviewable diff, and each
+model's compatibility (optional fields with defaults) is checked against its neighbours.
 """
 
 from __future__ import annotations
@@ -26,6 +30,17 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class ReplicaSpec(Message):
+    """The job's ``checkpoint.replica`` section: each node copies its newest saved step to the
+    next node of the ring (its buddy), into the buddy's shared memory."""
+
+    every: int = 1
+    """Copy a saved step whose number is a multiple of this (the newest such, when a copy is
+    still under way)."""
+    max_mb_per_second: float | None = None
+    """The most bytes a node sends its buddy per second, in millions (None: no bound)."""
+
+
 class CheckpointSpec(Message):
     """The job's ``checkpoint`` section, as agents and workers need it."""
 
@@ -40,6 +55,8 @@ class CheckpointSpec(Message):
     """A job whose last persist failed may still end as succeeded (the master's rule)."""
     persister_timeout: float = 5.0
     """The most seconds a save waits for the persister; one that does not answer is replaced."""
+    replica: ReplicaSpec | None = None
+    """Peer replicas (``checkpoint.replica``): None when the job keeps none."""
 
 
 class JobSpec(Message):
@@ -100,6 +117,35 @@ class MemoryHolding(Message):
     steps: list[int]
 
 
+class ReplicaHolding(Message):
+    """The complete steps of one rank that this node keeps as a peer's replica."""
+
+    rank: int
+    world: int
+    steps: list[int]
+    source: str = ""
+    """The node whose memory the replica copies."""
+
+
+class ReplicaEndpoint(Message):
+    """Where a node's replica server listens."""
+
+    node_id: str
+    addr: str
+    port: int = Field(ge=1, le=65535)
+
+
+class ReplicaFetch(Message):
+    """Copy ``rank``'s ``step`` from the replica ``holder`` keeps into this node's memory,
+    as ``local_rank``'s, before the workers start (they then restore it from memory)."""
+
+    local_rank: int
+    rank: int
+    world: int
+    step: int
+    holder: ReplicaEndpoint
+
+
 class ReattachRequest(Message):
     """An agent meets a restarted master: who it is and what it runs, so that the master
     goes on with the same round instead of restarting its workers."""
@@ -145,6 +191,10 @@ class JoinRequest(Message):
     """The highest step this node's workers completed before this join (-1: none)."""
     memory: list[MemoryHolding] = Field(default_factory=list)
     """Flash-checkpoint steps held in this node's shared memory."""
+    replica_port: int | None = Field(default=None, ge=1, le=65535)
+    """The port of this node's replica server (at ``addr``), when the job keeps replicas."""
+    replicas: list[ReplicaHolding] = Field(default_factory=list)
+    """Peers' steps this node keeps as replicas."""
 
 
 class RoundDirectives(Message):
@@ -158,6 +208,10 @@ class RoundDirectives(Message):
     step in memory, else ``storage``."""
     persist_step: int | None = None
     """Persist this step from memory before training resumes (``persist_on_fault``)."""
+    replica_to: ReplicaEndpoint | None = None
+    """The buddy this node copies its newest saved step to, this round (None: none)."""
+    fetch: list[ReplicaFetch] = Field(default_factory=list)
+    """Replicas to copy into this node's memory before its workers start."""
 
 
 class JoinReply(Message):
@@ -240,6 +294,9 @@ class WorkerFailure(Message):
     node too small): the fault is the job's own, and a restart would fail the same way."""
     log_path: str | None = None
     """The log that holds the worker's output (its traceback): what the summary names."""
+    replica_error: ReplicaFetch | None = None
+    """The replica fetch that failed before the workers started: the master does not plan
+    from that replica again."""
 
 
 class WorkersReport(Message):

@@ -119,6 +119,13 @@ BAD = [
         "job.nodes",
         "3 nodes are more than the local scheduler",
     ),
+    ("checkpoint: {replica: {every: 0}}", "checkpoint.replica.every", "greater than or equal to 1"),
+    (
+        "checkpoint: {replica: {max_mb_per_second: 0}}",
+        "checkpoint.replica.max_mb_per_second",
+        "greater than 0",
+    ),
+    ("checkpoint: {replica: {evry: 2}}", "checkpoint.replica.evry", "did you mean 'every'"),
     ("job: {command: 'python \"unclosed'}", "job.command", "cannot split command"),
     ("job: {command: 5}", "job.command", "valid list"),
     ("jobs: {}", "jobs", "did you mean 'job'"),

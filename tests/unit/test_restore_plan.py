@@ -3,8 +3,8 @@ is not called a restore from storage."""
 
 from __future__ import annotations
 
-from planaria.master.restore import RestorePlan, plan
-from planaria.protocol import MemoryHolding, RendezvousInfo
+from planaria.master.restore import Fetch, RestorePlan, plan
+from planaria.protocol import MemoryHolding, RendezvousInfo, ReplicaHolding
 
 
 def _world(nodes: int) -> dict[str, RendezvousInfo]:
@@ -48,3 +48,74 @@ def test_a_node_that_lost_its_memory_is_no_fresh_start():
         {"node-0": held, "node-1": [held[0].model_copy(update={"rank": 1})]}, restarted=True
     )
     assert (both.restore, both.where) == ("memory:7", "memory (step 7)")
+
+
+def _held(rank: int, world: int, *steps: int) -> MemoryHolding:
+    return MemoryHolding(local_rank=0, rank=rank, world=world, steps=list(steps))
+
+
+def _kept(rank: int, world: int, *steps: int) -> ReplicaHolding:
+    return ReplicaHolding(rank=rank, world=world, steps=list(steps), source="lost")
+
+
+def test_a_replaced_nodes_rank_restores_from_the_replica_a_survivor_keeps():
+    # node-1 is new (it holds nothing); node-2 keeps rank 1's replica (it was node-1's buddy).
+    memory = {"node-0": [_held(0, 3, 12, 11)], "node-2": [_held(2, 3, 12, 11)]}
+    replicas = {"node-2": [_kept(1, 3, 12, 11)], "node-0": [_kept(2, 3, 12)]}
+    done = plan(
+        _world(3),
+        memory,
+        1,
+        persist_on_fault=True,
+        restarted=True,
+        committed_step=8,
+        replicas=replicas,
+    )
+    assert (done.restore, done.persist_step) == ("memory:12", 12)
+    assert done.fetches == (Fetch("node-1", 0, 1, "node-2"),)
+    assert done.why == "every rank holds step 12 in memory (rank 1 from node-2: replicas)"
+
+    # The replica lags one step: the common step is the one it has.
+    replicas["node-2"] = [_kept(1, 3, 11, 10)]
+    assert (
+        plan(
+            _world(3),
+            memory,
+            1,
+            persist_on_fault=False,
+            restarted=True,
+            committed_step=8,
+            replicas=replicas,
+        ).restore
+        == "memory:11"
+    )
+
+    # A replica of another world's rank, or none at all: storage, and the plan says which rank.
+    for kept in ({"node-2": [_kept(1, 4, 12)]}, {}):
+        lost = plan(
+            _world(3),
+            memory,
+            1,
+            persist_on_fault=True,
+            restarted=True,
+            committed_step=8,
+            replicas=kept,
+        )
+        assert (lost.restore, lost.fetches) == ("storage", ())
+        assert lost.why == "rank 1 (node-1) holds no step in memory"
+
+
+def test_a_node_does_not_fetch_its_own_ranks_from_itself():
+    # node-1 runs rank 1 again but lost its memory (a restarted node); a replica it keeps of
+    # rank 1 (a stale one: ranks moved) does not count.
+    memory = {"node-0": [_held(0, 2, 5)]}
+    done = plan(
+        _world(2),
+        memory,
+        1,
+        persist_on_fault=False,
+        restarted=True,
+        committed_step=0,
+        replicas={"node-1": [_kept(1, 2, 5)]},
+    )
+    assert done.restore == "storage"

@@ -10,6 +10,10 @@ and survive it, and workers reconnect to the new one and hand it again what was 
 persister that stops answering (stopped, or hung on its storage in the kernel) is pinged every
 ``checkpoint.persister_timeout`` seconds, killed when a ping goes unanswered that long, and
 replaced the same way: a worker's save waits for it at most that long.
+
+Why one module: the persister, the peer replicas' ends and the reading of what memory holds
+all act on the node's one shared-memory directory, in the order of the agent's life (started
+with it, told each round's part, stopped before the directory goes).
 """
 
 from __future__ import annotations
@@ -41,9 +45,16 @@ from planaria.checkpoint.env import (
     SOCKET_ENV,
     STORAGE_ENV,
 )
+from planaria.checkpoint.replica import ReplicaError, ReplicaSender, ReplicaServer, fetch
 from planaria.checkpoint.segment import Segment, SegmentError, remove_segments
 from planaria.log import get_logger
-from planaria.protocol import CheckpointSpec, MemoryHolding
+from planaria.protocol import (
+    CheckpointSpec,
+    MemoryHolding,
+    ReplicaEndpoint,
+    ReplicaFetch,
+    ReplicaHolding,
+)
 
 log = get_logger("agent")
 
@@ -74,6 +85,9 @@ class NodeCheckpoints:
         self._hung: str | None = None
         """Why the watchdog killed the persister (it stopped answering), for the event."""
         self._watchdog: threading.Thread | None = None
+        self.replica_server: ReplicaServer | None = None
+        self._replica_sender: ReplicaSender | None = None
+        self._token = ""
 
     def segment(self, local_rank: int) -> Path:
         return self.directory / f"ckpt-{local_rank}"
@@ -222,8 +236,74 @@ class NodeCheckpoints:
             with self._lock:
                 self._syncs.pop(token, None)
 
+    # -- peer replicas (checkpoint.replica) ---------------------------------------------------
+
+    def start_replicas(self, node_id: str, addr: str, token: str, procs: int) -> None:
+        """Serve peers' replicas at ``addr`` and copy this node's steps to its buddy (when
+        the job keeps replicas)."""
+        replica = self.spec.replica
+        if replica is None:
+            return
+        self._token = token
+        self.replica_server = ReplicaServer(self.directory, token, addr)
+        per_second = None if replica.max_mb_per_second is None else replica.max_mb_per_second * 1e6
+        self._replica_sender = ReplicaSender(
+            self.segment,
+            procs,
+            token,
+            node_id,
+            every=replica.every,
+            max_bytes_per_second=per_second,
+        )
+
+    def replicas(self) -> list[ReplicaHolding]:
+        return [] if self.replica_server is None else self.replica_server.holdings()
+
+    def replica_round(self, round_: int, buddy: ReplicaEndpoint | None) -> None:
+        """A round starts: take no copy from an older one, send to this round's buddy."""
+        if self.replica_server is not None:
+            self.replica_server.round = round_
+        if self._replica_sender is not None:
+            self._replica_sender.target(buddy, round_)
+
+    async def fetch_replicas(self, fetches: list[ReplicaFetch]) -> tuple[ReplicaFetch, str] | None:
+        """Copy each replica into its local rank's segment; the one that failed and why, if
+        any."""
+        for wanted in fetches:
+            try:
+                seconds = await asyncio.to_thread(
+                    fetch,
+                    wanted.holder,
+                    self._token,
+                    rank=wanted.rank,
+                    world=wanted.world,
+                    step=wanted.step,
+                    into=self.segment(wanted.local_rank),
+                )
+            except (ReplicaError, SegmentError, OSError) as exc:
+                log.error(
+                    "cannot fetch a replica",
+                    rank=wanted.rank,
+                    step=wanted.step,
+                    holder=wanted.holder.node_id,
+                    error=str(exc),
+                )
+                return wanted, str(exc)
+            log.info(
+                "replica fetched",
+                rank=wanted.rank,
+                step=wanted.step,
+                holder=wanted.holder.node_id,
+                seconds=round(seconds, 4),
+            )
+        return None
+
     def stop(self, timeout: float = 60.0) -> None:
         """Stop the persister once it has written what it was asked, then free the memory."""
+        if self._replica_sender is not None:
+            self._replica_sender.close()
+        if self.replica_server is not None:
+            self.replica_server.close()
         with self._lock:
             self._stopping.set()
             proc = self._process

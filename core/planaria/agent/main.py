@@ -63,6 +63,7 @@ from planaria.protocol import (
     RegisterReply,
     RegisterRequest,
     RendezvousInfo,
+    ReplicaFetch,
     RoundDirectives,
     WorkerFailure,
     WorkersReport,
@@ -130,6 +131,9 @@ class Agent:
                     spec.checkpoint, shm, self.relay.checkpoint_event
                 )
                 self.checkpoints.start()
+                self.checkpoints.start_replicas(
+                    self.node_id, self.addr, self.client.token, spec.procs_per_node
+                )
             self.board = ProgressBoard(shm / "progress", spec.procs_per_node)
         except BaseException:
             if self.checkpoints is not None:
@@ -227,13 +231,16 @@ class Agent:
         """Join the next round and wait for it to close, through the same client (and the
         same retries through a short master outage) as every other call to the master."""
         last = max((p.step for p in self.board.read_all()), default=-1)
-        memory = self.checkpoints.holdings(self.spec.procs_per_node) if self.checkpoints else []
+        checkpoints = self.checkpoints
+        server = checkpoints.replica_server if checkpoints else None
         request = JoinRequest(
             node_id=self.node_id,
             addr=self.addr,
             port=free_port(self.addr),
             last_step=last,
-            memory=memory,
+            memory=checkpoints.holdings(self.spec.procs_per_node) if checkpoints else [],
+            replica_port=None if server is None else server.port,
+            replicas=checkpoints.replicas() if checkpoints else [],
         )
         while True:
             reply = await self.client.call("/rendezvous/join", request, JoinReply)
@@ -267,6 +274,16 @@ class Agent:
                 f"==== planaria: restart {restart_count} (round {info.round}) at {at}: {why} ====\n"
             ).encode()
         checkpoints = self.checkpoints
+        if checkpoints is not None:
+            checkpoints.replica_round(info.round, directives.replica_to)
+            failed = await checkpoints.fetch_replicas(directives.fetch)
+            if failed is not None:
+                wanted, error = failed
+                why = (
+                    f"cannot fetch rank {wanted.rank}'s step {wanted.step} from "
+                    f"{wanted.holder.node_id}'s replica: {error}"
+                )
+                return await self._cannot_start(info, why, replica=wanted)
         if checkpoints is not None and directives.persist_step is not None:
             # Persist at fault: pin the agreed step before workers can save over it.
             step = directives.persist_step
@@ -324,10 +341,14 @@ class Agent:
                 task.cancel()
             await group.stop()
 
-    async def _cannot_start(self, info: RendezvousInfo, error: str) -> Action:
+    async def _cannot_start(
+        self, info: RendezvousInfo, error: str, replica: ReplicaFetch | None = None
+    ) -> Action:
         """Workers that cannot start (a missing program, an environment the OS refuses, a node
         too small for them) are the job's fault, not this node's: the round fails with the
-        OS's reason, and the node waits for the master's word (it stops the job)."""
+        OS's reason, and the node waits for the master's word (it stops the job). A replica
+        that cannot be fetched is no such fault (``replica``): the master restarts the round
+        without it."""
         log.error("workers cannot start", round=info.round, error=error)
         now = time.time()
         failure = WorkerFailure(
@@ -339,7 +360,8 @@ class Agent:
             time=now,
             log_tail="",
             description=error,
-            start_error=error,
+            start_error=None if replica else error,
+            replica_error=replica,
         )
         report = WorkersReport(
             node_id=self.node_id, round=info.round, succeeded=False, failure=failure

@@ -358,6 +358,15 @@ class Segment:
         start = PAGE + info.slot * self.capacity
         return memoryview(self._map)[start : start + info.data_len]
 
+    def payload(self, info: SlotInfo) -> memoryview:
+        """The slot's data and metadata, as one view (what a peer's replica copies)."""
+        start = PAGE + info.slot * self.capacity
+        return memoryview(self._map)[start : start + info.data_len + info.meta_len]
+
+    def inode(self) -> int:
+        """The mapped file's inode: a path that names another one was made anew."""
+        return os.fstat(self._fd).st_ino
+
     def meta(self, info: SlotInfo) -> dict[str, Any]:
         start = PAGE + info.slot * self.capacity + info.data_len
         raw = bytes(self._map[start : start + info.meta_len])
@@ -436,6 +445,17 @@ class Segment:
         The newest step is never written over, whatever readers hold: if every other slot is
         held, the save waits for one, at most ``wait`` seconds (None: as long as it takes),
         then raises :class:`SegmentBusyError`. A slot still being pre-faulted is waited for."""
+        import torch
+
+        with self.writing_bytes(wait) as (chosen, _):
+            start = PAGE + chosen * self.capacity
+            view = torch.frombuffer(self._map, dtype=torch.uint8, count=self.capacity, offset=start)
+            yield chosen, view
+
+    @contextlib.contextmanager
+    def writing_bytes(self, wait: float | None = None) -> Iterator[tuple[int, memoryview]]:
+        """:meth:`writing`, yielding a memoryview of the slot: for a process that fills it
+        from a socket (a peer's replica) and has no use for torch."""
         valid = self.valid()
         newest = valid[0].slot if valid else -1
         infos = {i.slot: i for i in self.infos()}
@@ -470,11 +490,12 @@ class Segment:
             self._set(
                 chosen, SlotInfo(chosen, WRITING, -1, old.rank, old.world, old.seq, 0, 0, 0.0)
             )
-            import torch
-
             start = PAGE + chosen * self.capacity
-            view = torch.frombuffer(self._map, dtype=torch.uint8, count=self.capacity, offset=start)
-            yield chosen, view
+            view = memoryview(self._map)[start : start + self.capacity]
+            try:
+                yield chosen, view
+            finally:
+                view.release()
         finally:
             self._lock(chosen, fcntl.LOCK_UN)
 

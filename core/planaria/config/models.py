@@ -198,6 +198,21 @@ class StorageSection(BackendSection):
     backend: str = Field(default="local", min_length=1)
 
 
+class ReplicaSection(Section):
+    every: int = Field(
+        default=1,
+        ge=1,
+        description="copy a saved step whose number is a multiple of this to the buddy node "
+        "(the newest such when the last copy is done)",
+    )
+    max_mb_per_second: float | None = Field(
+        default=None,
+        gt=0,
+        description="the most a node sends its buddy, in megabytes (10^6 bytes) per second; "
+        "unset: no bound",
+    )
+
+
 class CheckpointSection(Section):
     storage: StorageSection = Field(default_factory=StorageSection)
     keep_last: int = Field(default=3, ge=1)
@@ -218,6 +233,12 @@ class CheckpointSection(Section):
         gt=0,
         description="the most seconds a save waits for the node's persister; one that does "
         "not answer within it is replaced",
+    )
+    replica: ReplicaSection | None = Field(
+        default=None,
+        description="peer replicas: each node copies its newest saved step into the shared "
+        "memory of the next node of the ring, so that a node's replacement restores from "
+        "memory, not storage ({} for the defaults; unset: none)",
     )
 
 

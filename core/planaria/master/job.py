@@ -65,6 +65,9 @@ from planaria.protocol import (
     ReattachRequest,
     RegisterRequest,
     RendezvousInfo,
+    ReplicaEndpoint,
+    ReplicaFetch,
+    ReplicaHolding,
     RoundDirectives,
     WorkersOutput,
     WorkersReport,
@@ -148,6 +151,10 @@ class Master:
         self.restore = "storage"
         """Where this round's workers restore from: ``memory:<step>`` or ``storage``."""
         self.persist_step: int | None = None
+        self._replica_plan: dict[str, tuple[ReplicaEndpoint | None, list[ReplicaFetch]]] = {}
+        """Each node's buddy and the replicas it fetches, this round (``checkpoint.replica``)."""
+        self._refused_replicas: set[tuple[str, int, int]] = set()
+        """(holder, rank, step) of replicas a fetch failed on: not planned from again."""
         self.checkpoints = JobCheckpoints(self.spec.checkpoint, self.timeline)
         self.recovery = Recovery(self, settings.rules, self.fleet, self.rounds, self.timeline)
         self.diagnosis = Diagnosis(self, settings.diagnosis)
@@ -462,6 +469,10 @@ class Master:
         if self.state.terminal or node.phase.gone:
             return JoinReply(state="exit", reason=self.reason or "the job is over")
         node.memory = list(request.memory)
+        node.replicas = list(request.replicas)
+        node.replica_port = request.replica_port
+        if request.addr:
+            node.addr = request.addr
         if request.last_step >= 0:
             node.step = max(node.step, request.last_step)
             self.saw_step(request.last_step)
@@ -505,7 +516,11 @@ class Master:
             state="ready",
             info=self.rounds.world[node_id],
             directives=RoundDirectives(
-                restart_count=self.restarts, restore=self.restore, persist_step=self.persist_step
+                restart_count=self.restarts,
+                restore=self.restore,
+                persist_step=self.persist_step,
+                replica_to=self._replica_plan.get(node_id, (None, []))[0],
+                fetch=self._replica_plan.get(node_id, (None, []))[1],
             ),
         )
 
@@ -633,6 +648,9 @@ class Master:
             return
         if report.failure is None:
             raise BadReport("a report of failed workers must name the failure")
+        refused = report.failure.replica_error
+        if refused is not None:  # the next round plans without that replica
+            self._refused_replicas.add((refused.holder.node_id, refused.rank, refused.step))
         if current:
             self._sample(node, report.round, last=True)  # where its workers got to
             node.phase = NodePhase.FAILED
@@ -696,8 +714,10 @@ class Master:
                 ),
                 restarted=self.restarts > 0,
                 committed_step=self.checkpoints.committed_step,
+                replicas={n: self._usable_replicas(n) for n in world},
             )
             self.restore, self.persist_step = plan.restore, plan.persist_step
+            self._replica_plan = self._replicas_for(world, plan)
             self.recovery.restored(self.rounds.round, plan.where)
             log.info("restore decided", round=self.rounds.round, restore=plan.restore, why=plan.why)
             size = next(iter(world.values())).world_size
@@ -724,6 +744,55 @@ class Master:
                 f"{self.settings.min_nodes} needed",
                 StopCause.JOIN_TIMEOUT,
             )
+
+    def _usable_replicas(self, node_id: str) -> list[ReplicaHolding]:
+        """The replicas ``node_id`` keeps, but for the steps a fetch failed on (none when it
+        told no replica server)."""
+        node = self.nodes[node_id]
+        if node.replica_port is None or not node.addr:
+            return []
+        kept = []
+        for replica in node.replicas:
+            steps = [
+                s for s in replica.steps if (node_id, replica.rank, s) not in self._refused_replicas
+            ]
+            if steps:
+                kept.append(replica.model_copy(update={"steps": steps}))
+        return kept
+
+    def _replicas_for(
+        self, world: dict[str, RendezvousInfo], plan: restore.RestorePlan
+    ) -> dict[str, tuple[ReplicaEndpoint | None, list[ReplicaFetch]]]:
+        """Each node's buddy (the next node rank's, in a ring) and the replicas it fetches."""
+        spec = self.spec.checkpoint
+        if spec is None or spec.replica is None:
+            return {}
+
+        def endpoint(node_id: str) -> ReplicaEndpoint | None:
+            node = self.nodes[node_id]
+            if node.replica_port is None or not node.addr:
+                return None
+            return ReplicaEndpoint(node_id=node_id, addr=node.addr, port=node.replica_port)
+
+        by_rank = {info.node_rank: n for n, info in world.items()}
+        step = int(plan.restore.partition(":")[2]) if plan.fetches else -1
+        planned: dict[str, tuple[ReplicaEndpoint | None, list[ReplicaFetch]]] = {}
+        for node_id, info in world.items():
+            buddy = by_rank[(info.node_rank + 1) % len(world)]
+            planned[node_id] = (endpoint(buddy) if buddy != node_id else None, [])
+        for fetch in plan.fetches:
+            holder = endpoint(fetch.holder)
+            assert holder is not None  # only the replicas of a node with an endpoint are used
+            planned[fetch.node_id][1].append(
+                ReplicaFetch(
+                    local_rank=fetch.local_rank,
+                    rank=fetch.rank,
+                    world=world[fetch.node_id].world_size,
+                    step=step,
+                    holder=holder,
+                )
+            )
+        return planned
 
     def _maybe_grow(self) -> None:
         """Nodes standing by can enlarge a world below ``max``: re-form it with them (a

@@ -16,7 +16,7 @@ from planaria.diagnosis.setup import BENCHMARK_PATH, agent_spec, master_policy
 from planaria.errors import ConfigError, ConfigIssue
 from planaria.master.state import JobSettings
 from planaria.plugin.manager import PluginManager
-from planaria.protocol import CheckpointSpec, JobSpec
+from planaria.protocol import CheckpointSpec, JobSpec, ReplicaSpec
 from planaria.rendezvous.api import RankPlacement
 from planaria.rendezvous.builtin import StablePlacement
 
@@ -111,6 +111,11 @@ def checkpoint_spec(resolved: ResolvedConfig, run_dir: Path) -> CheckpointSpec:
         require_restore=section.require_restore,
         allow_unpersisted_end=section.allow_unpersisted_end,
         persister_timeout=section.persister_timeout,
+        replica=None
+        if section.replica is None
+        else ReplicaSpec(
+            every=section.replica.every, max_mb_per_second=section.replica.max_mb_per_second
+        ),
     )
 
 

@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar
 
 from planaria.diagnosis.policy import DiagnosisPolicy
 from planaria.master.policy import Rules
-from planaria.protocol import Action, JobSpec, MemoryHolding
+from planaria.protocol import Action, JobSpec, MemoryHolding, ReplicaHolding
 from planaria.rendezvous.api import RankPlacement
 from planaria.rendezvous.builtin import StablePlacement
 
@@ -211,6 +211,10 @@ class Node:
     sampled: float = float("-inf")
     """When the master last put the node's step in the timeline (monotonic clock)."""
     memory: list[MemoryHolding] = field(default_factory=list)
+    replicas: list[ReplicaHolding] = field(default_factory=list)
+    """Peers' steps the node keeps as replicas (``checkpoint.replica``), as it last joined."""
+    replica_port: int | None = None
+    """Where, at ``addr``, the node's replica server listens."""
     attached: bool = True
     """False from a restarted master's start until the node's agent re-attaches (tells what
     it runs): until then the master refuses its other requests with "re-attach first"."""
