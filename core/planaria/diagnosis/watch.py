@@ -46,6 +46,10 @@ class NodeWatch:
                     # whole heartbeat.
                     loss=slot.loss if slot.loss is not None and math.isfinite(slot.loss) else None,
                     loss_step=slot.loss_step,
+                    tokens=slot.tokens
+                    if slot.tokens is not None and math.isfinite(slot.tokens)
+                    else None,
+                    tokens_step=slot.tokens_step,
                 )
             )
         return out
