@@ -317,6 +317,9 @@ def train(
         ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
         warm_up(ddp, args.batch, args.seq, args.vocab, device)
     perm = permutation(args.vocab, args.seed)
+    # The tokens the whole job trains on in a step (each rank's batch of sequences, every
+    # rank): planaria's report and /metrics turn them into tokens/s.
+    step_tokens = args.batch * args.seq * world
 
     for step in range(start, args.steps):
         tokens = batch_for(
@@ -343,17 +346,17 @@ def train(
             if rank == 0:
                 logged = mean.item()
                 print(f"step {step} loss {logged:.4f} time {time.time():.6f}", flush=True)
-        # Every step into shared memory (it also reports the step, and the loss when one was
-        # logged, to planaria's agent); every --ckpt-every steps to storage too, in the
-        # background.
+        # Every step into shared memory (it also reports the step, its tokens, and the loss
+        # when one was logged, to planaria's agent); every --ckpt-every steps to storage too,
+        # in the background.
         persist = args.ckpt_every > 0 and (step + 1) % args.ckpt_every == 0
         if ckpt is not None:
             state = {"model": model.state_dict(), "optim": optim.state_dict()}
             if step == args.kill_in_save:
                 kill_in_save(args, rank)  # armed last: it fires inside the save's copy
-            ckpt.save(step, state, persist, loss=logged)
+            ckpt.save(step, state, persist, loss=logged, tokens=step_tokens)
         else:
-            monitor.step(step, loss=logged)
+            monitor.step(step, loss=logged, tokens=step_tokens)
 
     if ckpt is not None:
         ckpt.wait()  # the last persisted step is committed before the job reports success

@@ -413,12 +413,19 @@ class Progress(Payload):
     The node of rank 0 is also sampled at each heartbeat that brings a new training loss of
     rank 0 (``planaria.monitor.step(n, loss=...)``): ``loss`` and the step it was reported
     with, ``loss_step``. One series for the job, bounded by the heartbeat interval whatever
-    the number of nodes and steps."""
+    the number of nodes and steps.
+
+    When the training reports the tokens of its steps (``planaria.monitor.step(n,
+    tokens=...)``), each sample of rank 0's node has the job's ``tokens`` so far (every round's,
+    what ``planaria_tokens_total`` counts) and ``round_tokens``, those of this round's workers:
+    what ``planaria report`` draws tokens/s from, and what a resumed master counts on from."""
 
     KIND = EventKind.PROGRESS
     round: int
     loss: float | None = None
     loss_step: int | None = None
+    tokens: float | None = None
+    round_tokens: float | None = None
 
 
 PAYLOADS: dict[EventKind, type[Payload]] = {m.KIND: m for m in Payload.__subclasses__()}

@@ -5,18 +5,21 @@ exclusively: :mod:`planaria.shm`) with one slot per local rank;
 each worker maps it and writes its slot on every step (no system call, no lock: one writer per
 slot). The agent reads the slots to show progress, to detect hangs and to time recovery.
 
-Slot layout (little endian, 56 bytes): step (int64), wall time of that step (float64),
+Slot layout (little endian, 72 bytes): step (int64), wall time of that step (float64),
 pid (int64), busy time of that step in nanoseconds (int64), the first step this process
 completed (int64), the last training loss the worker reported (float64) and the step it was
-reported with (int64). A step of -1 means "no step yet"; a busy time of -1, "not measured" (the
-first step of a process has no start to measure from); a loss step of -1, "no loss reported".
+reported with (int64), the tokens this process reported, summed over its steps (float64), and
+the step it last reported tokens with (int64). A step of -1 means "no step yet"; a busy time of
+-1, "not measured" (the first step of a process has no start to measure from); a loss step of
+-1, "no loss reported"; a tokens step of -1, "no tokens reported".
 The first step is the worker's own record, so the steps a fault cost are counted from what the
 workers did, however late the agent looks. The loss stays in the slot until the next one: a
 script that computes its loss every tenth step reports it then, and the agent's heartbeat
-carries the last one.
+carries the last one. The tokens are a running sum, kept by the worker, which sees every step:
+the agent reads the slot a few times a second at most, and a sum read late loses nothing.
 
 One writer and no lock: the agent reads a slot twice and takes it when both reads agree, so
-that a loss is never paired with another step's number (a write is a 56-byte copy; a read that
+that a loss is never paired with another step's number (a write is a 72-byte copy; a read that
 overlaps one is rare, and the next read is a few microseconds later).
 """
 
@@ -30,7 +33,7 @@ from pathlib import Path
 
 from planaria.shm import create_file, open_file
 
-SLOT = struct.Struct("<qdqqqdq")
+SLOT = struct.Struct("<qdqqqdqdq")
 READS = 5
 """Reads of a slot until two in a row agree (a worker writing it all along: the last one)."""
 ENV = "PLANARIA_PROGRESS_FILE"
@@ -49,6 +52,11 @@ class Progress:
     """The last training loss the worker reported (:func:`planaria.monitor.step`)."""
     loss_step: int = -1
     """The step reported with :attr:`loss` (-1: none)."""
+    tokens: float | None = None
+    """The tokens the worker reported (:func:`planaria.monitor.step`), summed over this
+    process's steps."""
+    tokens_step: int = -1
+    """The last step reported with tokens (-1: none)."""
 
 
 class ProgressBoard:
@@ -67,7 +75,7 @@ class ProgressBoard:
 
     def reset(self) -> None:
         for slot in range(self.slots):
-            SLOT.pack_into(self._map, slot * SLOT.size, -1, 0.0, 0, -1, -1, 0.0, -1)
+            SLOT.pack_into(self._map, slot * SLOT.size, -1, 0.0, 0, -1, -1, 0.0, -1, 0.0, -1)
 
     def read(self, slot: int) -> Progress:
         start = slot * SLOT.size
@@ -77,7 +85,7 @@ class ProgressBoard:
             if again == raw:
                 break
             raw = again
-        step, when, pid, busy, first, loss, loss_step = SLOT.unpack(raw)
+        step, when, pid, busy, first, loss, loss_step, tokens, tokens_step = SLOT.unpack(raw)
         return Progress(
             step,
             when,
@@ -86,6 +94,8 @@ class ProgressBoard:
             first,
             loss if loss_step >= 0 else None,
             loss_step,
+            tokens if tokens_step >= 0 else None,
+            tokens_step,
         )
 
     def read_all(self) -> list[Progress]:
@@ -110,17 +120,28 @@ class ProgressSlot:
         self._first = -1
         self._loss = 0.0
         self._loss_step = -1
+        self._tokens = 0.0
+        self._tokens_step = -1
 
     def write(
-        self, step: int, when: float, busy: float | None = None, loss: float | None = None
+        self,
+        step: int,
+        when: float,
+        busy: float | None = None,
+        loss: float | None = None,
+        tokens: float | None = None,
     ) -> None:
         """Write ``step``; ``loss`` (a finite float), when given, is the loss of this step and
-        stays in the slot until the next one."""
+        stays in the slot until the next one; ``tokens`` (finite, not negative), when given,
+        are added to the sum of this process's."""
         nanos = -1 if busy is None else max(0, int(busy * 1e9))
         if self._first < 0:
             self._first = step
         if loss is not None:
             self._loss, self._loss_step = loss, step
+        if tokens is not None:
+            self._tokens += tokens
+            self._tokens_step = step
         SLOT.pack_into(
             self._map,
             self._offset,
@@ -131,4 +152,6 @@ class ProgressSlot:
             self._first,
             self._loss,
             self._loss_step,
+            self._tokens,
+            self._tokens_step,
         )

@@ -257,6 +257,11 @@ class RankProgress(Message):
     """The last training loss the worker reported (``planaria.monitor.step(n, loss=...)``)."""
     loss_step: int = -1
     """The step reported with :attr:`loss` (-1: none)."""
+    tokens: float | None = None
+    """The tokens the worker reported (``planaria.monitor.step(n, tokens=...)``), summed over
+    its steps in this round."""
+    tokens_step: int = -1
+    """The last step reported with tokens (-1: none)."""
 
 
 class Heartbeat(Message):

@@ -122,7 +122,8 @@ def parse_line(line: bytes) -> JobEvent:
 
 class StepSample(NamedTuple):
     """A ``progress`` event's figures: a node's step at a time, in a round; and rank 0's
-    training loss with the step it was reported with, when the event carries one."""
+    training loss with the step it was reported with, and the job's tokens so far, when the
+    event carries them."""
 
     time: float
     node: str
@@ -130,6 +131,7 @@ class StepSample(NamedTuple):
     round: int
     loss: float | None = None
     loss_step: int | None = None
+    tokens: float | None = None
 
 
 PROGRESS = b'{"kind":"progress"'
@@ -146,7 +148,7 @@ def step_sample(line: bytes) -> StepSample | None:
         fields = json.loads(line)
         when, node, step, data = fields["time"], fields["node"], fields["step"], fields["data"]
         round_ = data["round"]
-        loss, loss_step = data.get("loss"), data.get("loss_step")
+        loss, loss_step, tokens = data.get("loss"), data.get("loss_step"), data.get("tokens")
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
     if not (
@@ -157,17 +159,20 @@ def step_sample(line: bytes) -> StepSample | None:
         and type(fields["job"]) is str
     ):
         return None
+    count = finite(tokens)
+    if tokens is not None and count is None:
+        return None
     if loss is None and loss_step is None:
-        return StepSample(float(when), node, step, round_)
+        return StepSample(float(when), node, step, round_, tokens=count)
     value = finite(loss)
     if value is not None and type(loss_step) is int:
-        return StepSample(float(when), node, step, round_, value, loss_step)
+        return StepSample(float(when), node, step, round_, value, loss_step, count)
     return None
 
 
 def finite(value: object) -> float | None:
     """``value`` as a float when it is a finite number read from JSON (not a bool), else
-    None: a loss from a timeline someone else may have written."""
+    None: a loss (or a count of tokens) from a timeline someone else may have written."""
     if type(value) is float or type(value) is int:
         number = float(value)
         return number if math.isfinite(number) else None
@@ -185,7 +190,8 @@ def _sample_or_event(line: bytes) -> JobEvent | StepSample:
         if loss is None or type(loss_step) is not int:
             loss = loss_step = None
         round_ = int(data.get("round", 0))
-        return StepSample(event.time, event.node, event.step, round_, loss, loss_step)
+        tokens = finite(data.get("tokens"))
+        return StepSample(event.time, event.node, event.step, round_, loss, loss_step, tokens)
     return event
 
 

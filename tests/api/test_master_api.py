@@ -325,6 +325,75 @@ def test_rank_0s_loss_is_sampled_at_each_heartbeat_that_brings_a_new_one(tmp_pat
     asyncio.run(with_master(tmp_path, body))
 
 
+def test_rank_0s_tokens_are_counted_into_the_timeline_and_served_as_a_counter(
+    tmp_path, monkeypatch
+):
+    """Each heartbeat of the node holding rank 0 brings its worker's sum of tokens: the job
+    counts what each adds, puts the count in that node's step samples (with the round's own
+    sum, which a resumed master counts on from) and serves it as ``planaria_tokens_total``;
+    another node's or another local rank's sum counts for nothing."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from planaria.master.metrics import JobMetrics
+    from planaria.master.timeline import last_tokens
+
+    monkeypatch.setattr(job_module, "PROGRESS_EVERY", 0.0)  # every heartbeat a sample
+
+    async def body(master, session, url):
+        replies = await _two_nodes_joined(session, url)
+        rank = {f"node-{i}": r["info"]["rank_offset"] for i, r in enumerate(replies)}
+        leader, other = sorted(rank, key=rank.__getitem__)
+        metrics = JobMetrics(master)
+
+        def served() -> dict[str, float]:
+            text = metrics.exposition().root
+            return {
+                s.name: s.value
+                for family in text_string_to_metric_families(text)
+                for s in family.samples
+                if s.name.startswith("planaria_tokens")
+            }
+
+        assert served() == {}  # no made-up zero before the training reports any
+
+        async def beat(node: str, step: int, tokens: float | None) -> None:
+            progress = [
+                {"local_rank": 0, "step": step, "time": time.time(), "first_step": 0,
+                 "tokens": tokens, "tokens_step": -1 if tokens is None else step},
+                {"local_rank": 1, "step": step, "time": time.time(), "first_step": 0,
+                 "tokens": 1e9, "tokens_step": step},  # not rank 0's
+            ]  # fmt: skip
+            body = {"node_id": node, "round": 1, "activity": "running", "wait": False,
+                    "progress": progress}  # fmt: skip
+            async with session.post(url + "/heartbeat", json=body, headers=AUTH) as r:
+                assert r.status == 200, await r.text()
+
+        await beat(leader, 3, 4 * 1024.0)
+        await beat(other, 3, 8 * 1024.0)
+        await beat(leader, 5, 6 * 1024.0)
+        await beat(leader, 6, None)  # a heartbeat without tokens: the count stays
+        samples = [
+            (e.node, e.step, e.data.get("tokens"), e.data.get("round_tokens"))
+            for e in master.timeline.events
+            if e.kind.value == "progress"
+        ]
+        assert samples == [
+            (leader, 3, 4096.0, 4096.0),
+            (other, 3, None, None),
+            (leader, 5, 6144.0, 6144.0),
+            (leader, 6, 6144.0, 6144.0),
+        ]
+        assert served() == {"planaria_tokens_total": 6144.0}
+        assert master.summary().tokens == 6144.0
+        # A master resumed on this timeline counts on from its last sample.
+        resumed = last_tokens(master.timeline.path)
+        assert (resumed.total, resumed.round, resumed.seen) == (6144.0, 1, 6144.0)
+        resumed.heard(1, 7 * 1024.0)
+        assert resumed.total == 7 * 1024.0
+
+    asyncio.run(with_master(tmp_path, body))
+
+
 def test_a_node_standing_by_is_held_until_the_next_round_opens_and_then_joins_it(tmp_path):
     """``job.standby``: a node beyond the full world is told to stand by, its join held until
     a round opens (a lost node's place) rather than polled again later; it then joins that

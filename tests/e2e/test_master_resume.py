@@ -159,6 +159,14 @@ def test_a_master_killed_mid_training_and_resumed_loses_no_step(tmp_path, mark):
     a, b = _weights(clean / "final.pt"), _weights(faulty / "final.pt")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # The job's tokens (the example reports 8 x 32 a rank and step, 2 ranks): the resumed
+    # master counts on from the timeline's last count, once: never past the steps' worth.
+    resumed_at = kinds.index("master_resumed")
+    before = [e["data"].get("tokens") for e in events[:resumed_at] if e["kind"] == "progress"]  # type: ignore[attr-defined]
+    counted = max((t for t in before if t is not None), default=None)
+    summary = read_summary(run_dir)
+    assert summary is not None and summary.tokens is not None and counted is not None
+    assert counted < summary.tokens <= STEPS * 512 and summary.tokens % 512 == 0
 
 
 def test_agents_stop_their_workers_once_the_master_is_gone_for_the_grace(tmp_path, mark):

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -222,8 +223,40 @@ def test_the_counters_move_as_the_job_goes_through_a_worker_kill(faulty_run: Run
     assert after.total("planaria_node_straggler") == 0
     assert after.get("planaria_job_info", job="e2e", run_id=_run_id(run)) == 1
 
+    # Tokens: the example reports each step's (8 sequences x 32 tokens x 4 ranks), rank 0's
+    # count. The counter grows by whole steps, never past the steps done in the first round,
+    # and on through the restart (the steps done again count again).
+    step_tokens = 8 * 32 * 4
+    counted = [
+        (s.get("planaria_round"), s.get("planaria_step") or 0, s.get("planaria_tokens_total"))
+        for s in scrapes
+    ]
+    totals = [t for _, _, t in counted if t is not None]
+    assert totals and all(t % step_tokens == 0 for t in totals)
+    first_round = [t for r, step, t in counted if r == 1 and t is not None]
+    assert first_round and all(
+        t <= (step + 1) * step_tokens for r, step, t in counted if r == 1 and t is not None
+    )
+    assert totals[-1] > max(first_round)
+    # The timeline's samples carry the count (never going down), and this round's part of it.
+    counts = [
+        cast(dict[str, Any], e["data"])
+        for e in run.timeline
+        if e["kind"] == "progress" and cast(dict[str, Any], e["data"]).get("tokens") is not None
+    ]
+    ordered = [d["tokens"] for d in counts]
+    assert ordered and ordered == sorted(ordered)
+    for round_ in {d["round"] for d in counts}:
+        before = {d["tokens"] - d["round_tokens"] for d in counts if d["round"] == round_}
+        assert len(before) == 1, (round_, before)  # what the earlier rounds counted
+
     # Counters never go down between scrapes.
-    for name in ("planaria_restarts_total", "planaria_events_total", "planaria_faults_total"):
+    for name in (
+        "planaria_restarts_total",
+        "planaria_events_total",
+        "planaria_faults_total",
+        "planaria_tokens_total",
+    ):
         totals = [s.total(name) for s in scrapes]
         assert totals == sorted(totals), name
 
@@ -343,6 +376,7 @@ def test_the_grafana_dashboard_asks_only_for_what_the_master_serves(faulty_run: 
         "planaria_checkpoints_committed_total",
         "planaria_nodes",
         "planaria_node_step_seconds",
+        "planaria_tokens_total",
     } <= set(asked_names)
     # Every family the master serves is on the dashboard.
     missing = [

@@ -144,6 +144,38 @@ def test_the_report_draws_the_losses_the_script_printed_a_line_a_round(faulty_ru
     assert f"<td>{points[-1].step}</td><td>{points[-1].loss:.6g}</td>" in html
 
 
+STEP_TOKENS = 8 * 32 * 4
+"""The tokens the example reports a step: 8 sequences of 32 tokens on each of 4 ranks."""
+
+
+@pytest.mark.slow  # the job they share takes ~30 s
+def test_the_report_draws_the_tokens_per_second_the_script_reported(faulty_run):
+    """The example reports each step's tokens (``Checkpointer.save(..., tokens=...)``): rank
+    0's node's samples carry the job's count, which only grows (in whole steps) through both
+    faults, a line a round; the throughput is tokens/s wherever a round has two samples; the
+    summary ``planaria run`` printed and the page state the tokens and their mean rate."""
+    run_dir, output = faulty_run
+    told = course(rundir.events(run_dir), rundir.summary(run_dir))
+    points = [p for line in told.tokens for p in line]
+    assert points, told.tokens
+    totals = [p.tokens for p in points]
+    assert totals == sorted(totals) and all(t > 0 and t % STEP_TOKENS == 0 for t in totals)
+    rounds = {r.number for r in told.rounds}
+    assert len(told.tokens) <= len(rounds)
+    fig = plot.figure(told)
+    rated = any(line[-1].time > line[0].time for line in told.tokens)
+    assert fig.axes[-1].get_ylabel() == ("tokens/s" if rated else "steps/s")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    tokens = summary["tokens"]
+    assert tokens >= totals[-1] and tokens % STEP_TOKENS == 0
+    printed = re.search(
+        r"tokens\s*│\s*([^│]*?tokens/s mean over [\d.]+s of training[^│]*?)\s*│", output
+    )
+    assert printed and f"({tokens:,.0f})" in printed.group(1), output[-3000:]
+    html = (run_dir / "report.html").read_text()
+    assert f"<td>{escape(printed.group(1))}</td>" in html
+
+
 @pytest.mark.slow  # the job they share takes ~30 s
 def test_the_page_needs_no_network(faulty_run):
     html = (faulty_run[0] / "report.html").read_text()
@@ -240,14 +272,19 @@ def test_a_recovered_runs_picture_keeps_its_text_inside_and_shows_its_rate(fault
     fig = plot.figure(told)
     assert text_outside(fig) == []
     assert overlapping(fig) == []
-    # Its steps per second, on the step chart's right axis: over time they add up to the
-    # steps each line of the job's step shows.
-    (rate,) = [ax for ax in fig.axes if ax.get_ylabel() == "steps/s"]
+    # Its throughput on the step chart's right axis, tokens per second (the example reports
+    # its tokens; steps per second where no round has two samples of them): over time they
+    # add up to the tokens each round's line counts (the steps each line of the job's step
+    # shows).
+    (rate,) = [ax for ax in fig.axes if ax.get_ylabel() in ("tokens/s", "steps/s")]
     done = 0.0
     for line in rate.get_lines():
         x, y = list(line.get_xdata()), list(line.get_ydata())
         assert min(y) >= 0 and all(x[i] < x[i + 1] for i in range(0, len(x), 2))
         done += sum((x[i + 1] - x[i]) * y[i] for i in range(0, len(x), 2))
-    shown = sum(line[-1].step - line[0].step for line in told.job_steps if len(line) > 1)
+    if rate.get_ylabel() == "tokens/s":
+        shown = sum(line[-1].tokens - line[0].tokens for line in told.tokens if len(line) > 1)
+    else:
+        shown = sum(line[-1].step - line[0].step for line in told.job_steps if len(line) > 1)
     assert shown > 0 and done == pytest.approx(shown)
     assert narrowest_axes(fig) > 0.8

@@ -70,6 +70,7 @@ class _Copy:
     world: int
     persist: bool | None
     loss: float | None = None
+    tokens: float | None = None
 
 
 def storage_spec(target: str | os.PathLike[str] | dict[str, Any]) -> dict[str, Any]:
@@ -255,11 +256,12 @@ class Checkpointer:
         persist: bool | None = None,
         blocking: bool = True,
         loss: float | None = None,
+        tokens: float | None = None,
     ) -> None:
         """Copy ``state`` into shared memory (training blocks only for this copy), report the
-        step to the agent (with its training ``loss``, when given: see
-        :func:`planaria.monitor.step`), and hand it to the persister when ``persist``
-        (default: every ``persist_every`` steps).
+        step to the agent (with its training ``loss`` and the ``tokens`` the job processed in
+        it, when given: see :func:`planaria.monitor.step`), and hand it to the persister when
+        ``persist`` (default: every ``persist_every`` steps).
 
         ``blocking=False``: enqueue the copies of device tensors on a side stream and return at
         once; the save completes (the step is published in memory, reported and handed to the
@@ -269,6 +271,8 @@ class Checkpointer:
         Tensors in host memory are copied before it returns, as with ``blocking=True``."""
         if loss is not None:  # a wrong one fails here, not in a later call that completes it
             loss = monitor.loss_value(loss, step)
+        if tokens is not None:
+            tokens = monitor.tokens_value(tokens, step)
         self.wait_copy()
         layout = plan(state)
         signature = layout.signature()
@@ -286,7 +290,7 @@ class Checkpointer:
             # The persister holds every other slot and stopped answering: training goes on,
             # the newest step in memory stays; the persister is being replaced.
             log.warning("save skipped: the persister holds the memory", step=step, error=str(exc))
-            monitor.step(step, loss=loss)
+            monitor.step(step, loss=loss, tokens=tokens)
             return
         try:
             # The same layout as the last save (the usual case): reuse the slot's views.
@@ -328,6 +332,7 @@ class Checkpointer:
             self.world,
             persist,
             loss,
+            tokens,
         )
         if blocking or all(done.query() for done in dones):
             self.wait_copy()
@@ -363,7 +368,7 @@ class Checkpointer:
             persist = self.persist_every > 0 and copy.step % self.persist_every == 0
         if persist:
             self._persister.persist(copy.step)
-        monitor.step(copy.step, loss=copy.loss)
+        monitor.step(copy.step, loss=copy.loss, tokens=copy.tokens)
 
     def guard(self, optimizer: Any, *modules: Any) -> list[Any]:
         """Keep an overlapped save (``blocking=False``) consistent: ``optimizer.step()`` and

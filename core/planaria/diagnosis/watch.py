@@ -42,10 +42,12 @@ class NodeWatch:
                     step_s=wall,
                     busy_s=busy,
                     first_step=slot.first,
-                    # The worker writes finite losses only; a NaN in the JSON would cost the
+                    # The worker writes finite figures only; a NaN in the JSON would cost the
                     # whole heartbeat.
-                    loss=slot.loss if slot.loss is not None and math.isfinite(slot.loss) else None,
+                    loss=_finite(slot.loss),
                     loss_step=slot.loss_step,
+                    tokens=_finite(slot.tokens),
+                    tokens_step=slot.tokens_step,
                 )
             )
         return out
@@ -99,3 +101,7 @@ class NodeWatch:
                 time=now,
             )
         )
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None

@@ -52,7 +52,8 @@ from planaria.master.state import (
     Wake,
 )
 from planaria.master.summary import FailedRank, Fault, Summary
-from planaria.master.timeline import Timeline, last_steps
+from planaria.master.timeline import Timeline, last_steps, last_tokens
+from planaria.master.tokens import TokenCount
 from planaria.protocol import (
     Action,
     CheckpointEvent,
@@ -142,6 +143,9 @@ class Master:
         self.loss: tuple[int, int, float] | None = None
         """Rank 0's last training loss: (its round, its step, the loss); None until a worker
         reported one (``planaria.monitor.step(n, loss=...)``)."""
+        self.tokens = TokenCount()
+        """The job's tokens, as rank 0's heartbeats brought them
+        (``planaria.monitor.step(n, tokens=...)``)."""
         self._round_settled = Wake()
         """Set when the forming round closes, is superseded or the job ends."""
         self._next_round = Wake()
@@ -280,6 +284,7 @@ class Master:
         # What training had reached when the master before this one last heard: a fault of
         # a node that never comes back counts the steps redone from there.
         steps = last_steps(self.timeline.path, self.rounds.round)
+        self.tokens = last_tokens(self.timeline.path)
         for node_id, record in journalled.nodes.items():
             with damaged(path, f"node {node_id!r}"):
                 node = Node.from_record(record)
@@ -532,7 +537,9 @@ class Master:
             node.step = max(p.step for p in beat.progress)
             self.saw_step(node.step)
             self.diagnosis.progress(node, beat)
-            self._sample(node, beat.round, loss=self._new_loss(beat))
+            loss = self._new_loss(beat)
+            self._count_tokens(beat)
+            self._sample(node, beat.round, loss=loss)
         if beat.first_step_time is not None and beat.round == self.rounds.round:
             self._first_step(node, beat)
         if not beat.wait:  # a progress update: the node's long poll collects actions
@@ -591,6 +598,16 @@ class Master:
                 return loss
         return None
 
+    def _count_tokens(self, beat: Heartbeat) -> None:
+        """Count rank 0's tokens in ``beat`` into the job's (:mod:`planaria.master.tokens`)."""
+        info = self.rounds.world.get(beat.node_id)
+        if info is None or info.rank_offset != 0 or beat.round != self.rounds.round:
+            return
+        for p in beat.progress:
+            if p.local_rank == 0 and p.tokens is not None and p.tokens_step >= 0:
+                self.tokens.heard(beat.round, p.tokens)
+                return
+
     def _sample(
         self,
         node: Node,
@@ -607,11 +624,17 @@ class Master:
             return
         node.sampled = now
         message = f"{node.node_id} at step {node.step}"
-        payload = events.Progress(round=round_)
+        fields: dict[str, Any] = {}
         if loss is not None:
             _, loss_step, value = loss
             message += f", loss {value:.6g} at step {loss_step}"
-            payload = events.Progress(round=round_, loss=value, loss_step=loss_step)
+            fields.update(loss=value, loss_step=loss_step)
+        info = self.rounds.world.get(node.node_id)
+        tokens = self.tokens.sample(round_)
+        if tokens is not None and info is not None and info.rank_offset == 0:
+            fields.update(tokens=tokens[0], round_tokens=tokens[1])
+            message += f", {tokens[0]:.0f} tokens"
+        payload = events.Progress(round=round_, **fields)
         self.timeline.emit(payload, message, node=node.node_id, step=node.step)
 
     def _progress_every(self) -> float:
@@ -929,6 +952,7 @@ class Master:
             preflight=self.preflight.report if self.settings.diagnosis.preflight.enabled else None,
             not_written=self._not_written(),
             failed_rank=self._failed_rank(),
+            tokens=self.tokens.total,
         )
 
     def _failed_rank(self) -> FailedRank | None:

@@ -11,6 +11,7 @@ Each master has a registry of its own, never prometheus_client's global one: sev
 may live in one process (the tests do), and one job's metrics must not show another's.
 Counters count from this master's start: a master resumed with ``planaria run --resume``
 starts them from zero again, which Prometheus' ``rate()`` and ``increase()`` read as a reset.
+``planaria_tokens_total`` is the job's count: a resumed master counts on from the timeline.
 ``docs/metrics.md`` lists every metric.
 """
 
@@ -21,7 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from pydantic import RootModel
 
@@ -302,6 +303,9 @@ class StateNow:
         if m.loss is not None:  # only once a worker reported one: no made-up zero before
             yield _gauge("planaria_loss", "Rank 0's last training loss, as its worker reported it",
                          m.loss[2])  # fmt: skip
+        if m.tokens.total is not None:  # likewise; rate() of it is the job's tokens/s
+            yield CounterMetricFamily("planaria_tokens", "Tokens the job processed, as rank 0's "
+                                      "worker reported them", value=m.tokens.total)  # fmt: skip
         committed = m.checkpoints.committed_step
         yield _gauge("planaria_checkpoint_last_committed_step",
                      "The newest step committed to storage (-1: none)", committed)  # fmt: skip

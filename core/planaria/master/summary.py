@@ -120,6 +120,9 @@ class Summary:
     failed_rank: FailedRank | None = None
     """A job that did not succeed: the last worker failure that drove a fault, if any."""
     """The pre-flight node check, when the job ran one."""
+    tokens: float | None = None
+    """The tokens the job processed, as rank 0 reported them (``planaria.monitor.step(n,
+    tokens=...)``); None when the training reported none."""
 
     @property
     def stepped(self) -> bool:
@@ -137,6 +140,19 @@ class Summary:
             return 0.0
         lost = (self.startup_s or 0.0) + self.downtime_s
         return max(0.0, min(1.0, (self.wall_s - lost) / self.wall_s))
+
+    @property
+    def training_s(self) -> float:
+        """The time spent training: wall time less start-up and recovery (goodput's part)."""
+        return max(0.0, self.wall_s - (self.startup_s or 0.0) - self.downtime_s)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """The mean tokens per second over :attr:`training_s`: what a training run is compared
+        by, its outages left out (the goodput tells those). None without tokens or time."""
+        if self.tokens is None or self.training_s <= 0:
+            return None
+        return self.tokens / self.training_s
 
 
 SUMMARY_FILE = "summary.json"

@@ -30,6 +30,8 @@ def summary_rows(summary: Summary) -> list[Row]:
     rows.append(Row("restarts", str(summary.restarts)))
     rows.append(Row("downtime (recovery)", f"{summary.downtime_s:.2f}s"))
     rows.append(Row("goodput", _goodput(summary)))
+    if summary.tokens is not None:
+        rows.append(Row("tokens", _tokens(summary)))
     if summary.checkpoints:
         last = f"{summary.checkpoints} (last: step {summary.last_checkpoint})"
         rows.append(Row("checkpoints committed", last))
@@ -62,6 +64,31 @@ def _goodput(summary: Summary) -> str:
     lost = f"{summary.wall_s:.2f}s wall time - {summary.startup_s or 0.0:.2f}s start-up - "
     lost += f"{summary.downtime_s:.2f}s recovery"
     return f"{goodput:.1%}: {GOODPUT} (({lost}) / {summary.wall_s:.2f}s)"
+
+
+def _tokens(summary: Summary) -> str:
+    """The tokens processed and their mean rate over the training time, with where that time
+    came from (as the goodput says it)."""
+    tokens = summary.tokens or 0.0
+    text = f"{si(tokens)} ({tokens:,.0f})"
+    rate = summary.tokens_per_s
+    if rate is not None:
+        text += (
+            f"; {si(rate)} tokens/s mean over {summary.training_s:.2f}s of training "
+            "(wall time - start-up - recovery)"
+        )
+    return text
+
+
+SI = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
+
+
+def si(value: float) -> str:
+    """``value`` to three significant digits with its SI suffix: ``45.6k``, ``1.23M``."""
+    for scale, suffix in SI:
+        if abs(value) >= scale * 0.9995:  # what rounds up to the next suffix reads with it
+            return f"{value / scale:.3g}{suffix}"
+    return f"{value:.3g}"
 
 
 FAULT_COLUMNS = ("fault", "class", "detail", "action", "restored from", "recovery", "steps lost")

@@ -1,5 +1,6 @@
 """The job's timeline: every event as one JSON line in ``events.jsonl``, handed to the
-job's observers as it is written, and read back (:func:`last_steps`) by a resumed master. The
+job's observers as it is written, and read back (:func:`last_steps`, :func:`last_tokens`) by a
+resumed master. The
 summary the run ends with is :mod:`planaria.master.summary`'s.
 """
 
@@ -7,10 +8,11 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from planaria.events import EventKind, JobEvent, Payload
+from planaria.master.tokens import TokenCount
 
 TAIL = 1 << 20
 """Bytes of the timeline's end :func:`last_steps` reads: many samples of every node of a big
@@ -21,17 +23,37 @@ def last_steps(path: Path, round_: int, tail: int = TAIL) -> dict[str, int]:
     """Each node's last sampled step of round ``round_`` in the timeline at ``path``, from
     its last ``tail`` bytes: what a resumed master knows of where training got before the
     master before it died. Lines that are no event (a partial last one) are passed over."""
+    steps: dict[str, int] = {}
+    for event in _tail_samples(path, tail):
+        if event.node is not None and event.step is not None and event.data.get("round") == round_:
+            steps[event.node] = max(steps.get(event.node, -1), event.step)
+    return steps
+
+
+def last_tokens(path: Path, tail: int = TAIL) -> TokenCount:
+    """The job's token count as the last sample that had it left it, from the timeline's last
+    ``tail`` bytes: a resumed master counts on from there rather than from zero (a count
+    from none when no sample there has one)."""
+    count = TokenCount()
+    for event in _tail_samples(path, tail):
+        total, seen, round_ = (event.data.get(k) for k in ("tokens", "round_tokens", "round"))
+        if isinstance(total, int | float) and isinstance(seen, int | float) and type(round_) is int:
+            count = TokenCount(float(total), round_, float(seen))
+    return count
+
+
+def _tail_samples(path: Path, tail: int) -> Iterator[JobEvent]:
+    """The ``progress`` events in the last ``tail`` bytes of the timeline at ``path``."""
     try:
         with open(path, "rb") as f:
             size = f.seek(0, os.SEEK_END)
             f.seek(max(0, size - tail))
             data = f.read()
     except OSError:
-        return {}
+        return
     lines = data.split(b"\n")
     if size > tail:
         lines = lines[1:]  # the first is cut
-    steps: dict[str, int] = {}
     for line in lines:
         if b'"progress"' not in line:
             continue
@@ -39,14 +61,8 @@ def last_steps(path: Path, round_: int, tail: int = TAIL) -> dict[str, int]:
             event = JobEvent.from_line(line.decode("utf-8"))
         except (ValueError, TypeError):
             continue
-        if (
-            event.kind is EventKind.PROGRESS
-            and event.node is not None
-            and event.step is not None
-            and event.data.get("round") == round_
-        ):
-            steps[event.node] = max(steps.get(event.node, -1), event.step)
-    return steps
+        if event.kind is EventKind.PROGRESS:
+            yield event
 
 
 class Timeline:

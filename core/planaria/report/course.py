@@ -7,6 +7,10 @@ The events are read once, as they come, and what is kept is bounded whatever the
 length (a week of step samples, a thousand restarts): the samples are thinned to a fixed
 number of points, and of the faults, rounds, stragglers and other events the last ones are
 kept (the first ones too, for the events) and the rest counted.
+
+Why one module: the course is made in one pass over the events (a long job's timeline is read
+once, as it comes), and each part of it (the samples, the faults, the rounds) is a few lines
+of that pass that read best beside the others.
 """
 
 from __future__ import annotations
@@ -34,6 +38,16 @@ class LossSample:
     time: float
     step: int
     loss: float
+
+
+@dataclass
+class TokenSample:
+    """The job's tokens as a heartbeat of rank 0's node brought them: ``tokens`` processed
+    so far (every round's) at ``time``, when that node was at ``step``."""
+
+    time: float
+    step: int
+    tokens: float
 
 
 POINTS = 400
@@ -159,6 +173,9 @@ class Course:
     losses: list[list[LossSample]] = field(default_factory=list)
     """Rank 0's training loss over time, one line a round (a restart starts a new one); none
     when the training never reported a loss."""
+    tokens: list[list[TokenSample]] = field(default_factory=list)
+    """The job's tokens over time, one line a round; none when the training never reported
+    tokens (``planaria.monitor.step(n, tokens=...)``)."""
 
     def nodes_seen(self) -> list[str]:
         """Every node that trained in a round or reported a step, in order of appearance."""
@@ -181,6 +198,7 @@ def course(events: Iterable[JobEvent | StepSample], summary: Summary | None = No
     started: float | None = None
     samples: dict[str, Thinned[tuple[int, Sample]]] = {}
     losses: Thinned[tuple[int, LossSample]] = Thinned()
+    tokens: Thinned[tuple[int, TokenSample]] = Thinned()
     checkpoints: Thinned[Sample] = Thinned()
     incidents: deque[Incident] = deque(maxlen=INCIDENTS)
     rounds: deque[Round] = deque(maxlen=ROUNDS)
@@ -198,6 +216,8 @@ def course(events: Iterable[JobEvent | StepSample], summary: Summary | None = No
             samples.setdefault(event.node, Thinned()).add((event.round, Sample(t, event.step)))
             if event.loss is not None and event.loss_step is not None:
                 losses.add((event.round, LossSample(t, event.loss_step, event.loss)))
+            if event.tokens is not None:
+                tokens.add((event.round, TokenSample(t, event.step, event.tokens)))
             continue
         result.job = result.job or event.job
         kind = event.kind
@@ -208,6 +228,9 @@ def course(events: Iterable[JobEvent | StepSample], summary: Summary | None = No
                 loss, loss_step = finite(event.data.get("loss")), event.data.get("loss_step")
                 if loss is not None and type(loss_step) is int:
                     losses.add((round_, LossSample(t, loss_step, loss)))
+                count = finite(event.data.get("tokens"))
+                if count is not None:
+                    tokens.add((round_, TokenSample(t, event.step, count)))
             continue
         if len(result.events) < FIRST_EVENTS:
             result.events.append(event)
@@ -255,6 +278,7 @@ def course(events: Iterable[JobEvent | StepSample], summary: Summary | None = No
     result.checkpoints = checkpoints.items()
     result.nodes = {node: _lines(thinned.items()) for node, thinned in samples.items()}
     result.losses = _lines(losses.items())
+    result.tokens = _lines(tokens.items())
     if result.rounds:
         result.rounds[-1].end = result.end if result.outcome is None else result.outcome.time
     if origin is not None:
@@ -266,11 +290,11 @@ def course(events: Iterable[JobEvent | StepSample], summary: Summary | None = No
     return result
 
 
-S = TypeVar("S", Sample, LossSample)
+S = TypeVar("S", Sample, LossSample, TokenSample)
 
 
 def _lines(samples: list[tuple[int, S]]) -> list[list[S]]:
-    """A node's samples (or the losses), one line a round."""
+    """A node's samples (or the losses, or the tokens), one line a round."""
     lines: list[list[S]] = []
     last: int | None = None
     for round_, sample in samples:
@@ -292,6 +316,8 @@ def _shift(result: Course, by: float) -> None:
         sample.time += by
     for loss in (s for line in result.losses for s in line):
         loss.time += by
+    for count in (s for line in result.tokens for s in line):
+        count.time += by
     for mark in (*result.stragglers, *([result.outcome] if result.outcome else [])):
         mark.time += by
     for r in result.rounds:

@@ -18,6 +18,7 @@ from planaria.master.tables import (
     STRAGGLER_COLUMNS,
     fault_kind_rows,
     fault_rows,
+    si,
     straggler_rows,
     summary_rows,
 )
@@ -68,6 +69,12 @@ def page(course: Course, summary: Summary | None, figure_svg: str | None, source
             '<p class="muted">The run wrote no summary (summary.json): its master did not see '
             "the job end. What follows is from the timeline.</p>"
         )
+        if course.tokens:  # the summary's tokens row, as far as the timeline tells
+            last = course.tokens[-1][-1]
+            parts.append(
+                f"<p>tokens: {si(last.tokens)} ({last.tokens:,.0f}) by {last.time:.2f}s, "
+                "the timeline's last count</p>"
+            )
     else:
         parts.append(_summary(summary))
         if summary.faults:

@@ -7,13 +7,14 @@ as paths (no font to fetch), and the same figure as a PNG for a chat or a ticket
 optional dependency (``pip install 'planaria[report]'``): the core does not need it to train.
 
 Panels on one time axis: the job's step (one line between two faults, so that a restore
-shows as the line starting again lower) and its steps per second, the checkpoints committed and
-each fault's span from its detection to its recovery; then rank 0's training loss, when the
-training reported one (``planaria.monitor.step(n, loss=...)``); then each node as a bar over the
-rounds it trained in (its rank and its sampled steps on it, a cross where it was lost); then one
-lane a kind of moment (fault, detection, restart, restore, recovery, checkpoint, straggler),
-labelled. The start of each round after the first (a restart) is a dashed line across the step
-and loss charts: where a curve breaks, and why.
+shows as the line starting again lower) and its throughput (tokens per second when the
+training reported them, ``planaria.monitor.step(n, tokens=...)``; steps per second otherwise),
+the checkpoints committed and each fault's span from its detection to its recovery; then rank
+0's training loss, when the training reported one (``planaria.monitor.step(n, loss=...)``);
+then each node as a bar over the rounds it trained in (its rank and its sampled steps on it, a
+cross where it was lost); then one lane a kind of moment (fault, detection, restart, restore,
+recovery, checkpoint, straggler), labelled. The start of each round after the first (a
+restart) is a dashed line across the step and loss charts: where a curve breaks, and why.
 
 The time axis counts seconds from the job's start; for a job over an hour it shows the time of
 day (HH:MM, the report's local time, as the page's start time), which is what one compares with
@@ -34,6 +35,7 @@ import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from planaria.master.tables import si
 from planaria.report.course import Course
 
 if TYPE_CHECKING:
@@ -59,7 +61,7 @@ CLOCK_STEPS = (60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86
 CLOCK_TICKS = 10
 DAY = 86400.0
 RATE_WINDOW = 0.01
-"""The least part of the job's time a steps-per-second figure spans (and a second)."""
+"""The least part of the job's time a throughput figure spans (and a second)."""
 MANY_NODES = 12
 """Beyond this many nodes their lines share one colour and the legend names none."""
 LABELLED = 10
@@ -260,29 +262,17 @@ def _time_axis(ax: Any, course: Course) -> None:
 
 
 def _throughput(ax: Any, course: Course) -> Any:
-    """The job's steps per second, on the step chart's right axis (None without two samples
-    in a row): a slowdown, a straggler or a throttled chip, shows as a dip that the step line's
-    slope hides. Each rate spans at least ``RATE_WINDOW`` of the job, so that two samples a
-    moment apart (from two nodes) do not make a spike."""
+    """The job's throughput on the step chart's right axis (None without two samples in a
+    row): tokens per second when the training reported its tokens (what LLM training is
+    compared by), steps per second otherwise. A slowdown, a straggler or a throttled chip
+    shows as a dip that the step line's slope hides. Each rate spans at least ``RATE_WINDOW``
+    of the job, so that two samples a moment apart (from two nodes) do not make a spike."""
     window = max(RATE_WINDOW * _span(course), 1.0)
-    lines = []
-    for line in course.job_steps:
-        if not line:
-            continue
-        times: list[float] = []
-        rates: list[float] = []
-        start = line[0]
-        for k, sample in enumerate(line[1:], start=1):
-            if sample.step < start.step:  # not in one line; start again from it
-                start = sample
-                continue
-            last = k == len(line) - 1
-            if sample.time - start.time >= window or (last and sample.time > start.time):
-                times += [start.time, sample.time]
-                rates += [(sample.step - start.step) / (sample.time - start.time)] * 2
-                start = sample
-        if times:
-            lines.append((times, rates))
+    unit = "tokens/s"
+    lines = _rates([[(p.time, p.tokens) for p in line] for line in course.tokens], window)
+    if not lines:  # no tokens, or too few samples of them for a rate
+        unit = "steps/s"
+        lines = _rates([[(p.time, p.step) for p in line] for line in course.job_steps], window)
     if not lines:
         return None
     right = ax.twinx()
@@ -296,13 +286,44 @@ def _throughput(ax: Any, course: Course) -> Any:
             color=THROUGHPUT,
             linewidth=1,
             alpha=0.8,
-            label="steps/s" if k == 0 else None,
+            label=unit if k == 0 else None,
         )
     top = max(rate for _, rates in lines for rate in rates)
     right.set_ylim(bottom=0, top=top * 1.3 if top > 0 else 1)
-    right.set_ylabel("steps/s", color=THROUGHPUT)
+    right.set_ylabel(unit, color=THROUGHPUT)
     right.tick_params(axis="y", colors=THROUGHPUT)
+    if unit == "tokens/s":  # 45.6k, 1.2M: six-digit ticks would crowd the right edge
+        from matplotlib.ticker import FuncFormatter
+
+        right.yaxis.set_major_formatter(FuncFormatter(lambda value, _: si(value)))
     return right
+
+
+def _rates(
+    lines: list[list[tuple[float, float]]], window: float
+) -> list[tuple[list[float], list[float]]]:
+    """Per line of (time, count) points, a count that only grows (steps done, tokens so far),
+    its rate as a step curve (times, rates): each over ``window`` seconds at the least (the
+    last one over what is left). A count that goes back starts again from it."""
+    out = []
+    for line in lines:
+        if not line:
+            continue
+        times: list[float] = []
+        rates: list[float] = []
+        start = line[0]
+        for k, sample in enumerate(line[1:], start=1):
+            if sample[1] < start[1]:  # not in one line; start again from it
+                start = sample
+                continue
+            last = k == len(line) - 1
+            if sample[0] - start[0] >= window or (last and sample[0] > start[0]):
+                times += [start[0], sample[0]]
+                rates += [(sample[1] - start[1]) / (sample[0] - start[0])] * 2
+                start = sample
+        if times:
+            out.append((times, rates))
+    return out
 
 
 def _nodes(ax: Any, course: Course, each: bool) -> None:
