@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from planaria.testing.jobs import events, job, run
+from planaria.testing.jobs import events, job, run, switches_by_rank
 
 # The local scheduler gives node-N the host local-N; launched together, the switches interleave.
 SWITCH = {f"local-{i}": "s1" if i % 2 == 0 else "s2" for i in range(6)}
@@ -36,10 +36,8 @@ def test_ranks_follow_switches_and_a_replacement_takes_its_switchs_rank(tmp_path
 
     rounds = [e["data"]["ranks"] for e in timeline if e["kind"] == "rendezvous_completed"]
     first, after = rounds[0], rounds[-1]
-    by_rank = sorted(first, key=first.__getitem__)
-    assert sorted(first.values()) == [0, 1, 2, 3]
     # Grouped by switch: s1 takes ranks 0 and 1, s2 ranks 2 and 3.
-    assert [switch(n) for n in by_rank] == ["s1", "s1", "s2", "s2"], first
+    assert switches_by_rank(timeline, switch) == ["s1", "s1", "s2", "s2"], first
 
     (lost,) = [
         e["node"]

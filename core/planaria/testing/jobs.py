@@ -67,12 +67,26 @@ def job(tmp_path: Path, **sections: object) -> Path:
         "master": {"heartbeat_interval": "1s", "heartbeat_timeout": "15s"},
         "diagnosis": {"checks": []},
     }
+    _merge(config, sections)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _merge(config: dict[str, Any], sections: Mapping[str, object]) -> None:
     for name, value in sections.items():
         if isinstance(value, dict) and isinstance(config.get(name), dict):
             config[name] = {**config[name], **value}
         else:
             config[name] = value
-    path = tmp_path / "job.yaml"
+
+
+def with_sections(path: Path, **sections: object) -> Path:
+    """The job file at ``path`` with ``sections`` merged in as :func:`job` does (a mapping
+    into the section there, anything else in its place): ``rendezvous={"backend":
+    "topology"}`` on a file :func:`write_job` wrote."""
+    config = yaml.safe_load(path.read_text())
+    _merge(config, sections)
     path.write_text(yaml.safe_dump(config))
     return path
 
@@ -240,6 +254,26 @@ def standby_took_over(timeline: Sequence[dict[str, Any]], lost: str, spare: str)
     refill = replaced["data"]["replacement"]
     assert all(refill not in r["data"]["ranks"] for r in rounds), rounds
     return replaced
+
+
+def switches_by_rank(
+    timeline: Sequence[dict[str, Any]], switch_of: Callable[[str], str]
+) -> list[str]:
+    """Check, in a job's events, that its first round (``rendezvous_completed``) gave node
+    ranks 0 to n-1 and the nodes of each switch contiguous ones (``rendezvous.backend:
+    topology``); ``switch_of`` names a node's switch (from the cluster's side, not the job's).
+    Returns the switch of each rank, in rank order (``["s1", "s1", "s2"]``)."""
+    first = next(e for e in timeline if e["kind"] == "rendezvous_completed")
+    ranks: dict[str, int] = first["data"]["ranks"]
+    assert sorted(ranks.values()) == list(range(len(ranks))), ranks
+    switches = [switch_of(node) for node in sorted(ranks, key=ranks.__getitem__)]
+    seen: list[str] = []
+    for switch in switches:
+        if seen and seen[-1] == switch:
+            continue
+        assert switch not in seen, f"the ranks of switch {switch} are split: {switches} {ranks}"
+        seen.append(switch)
+    return switches
 
 
 def wait_for(

@@ -4,6 +4,8 @@ master's watches have just expired (a forced 410 Gone); its pod fails, the maste
 the third node, never the bad one, and the job ends with bitwise the weights of a run without a
 fault; no pod and no Secret of the job is left. With a pod standing by (``job.standby``), that
 one takes the killed pod's place at once, in its rank, and the replacement refills the pool.
+With ``rendezvous.backend: topology`` the pods of one switch (a label of their nodes) get
+contiguous ranks.
 And what cannot start is an error that names the pod and Kubernetes' reason, with exit code 2
 and nothing left."""
 
@@ -12,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,21 +28,27 @@ from planaria.testing.jobs import (
     job_events,
     paused_run,
     standby_took_over,
+    switches_by_rank,
     wait_for,
+    with_sections,
     write_job,
 )
 from planaria_kubernetes import pods
+from planaria_kubernetes.options import TOPOLOGY_LABELS
 from planaria_kubernetes.testing import EmulatedCluster
 from planaria_kubernetes.testing.jobs import job_objects, listen_for_nodes, scheduler_section
 
 torch = pytest.importorskip("torch")
 
 NODES = ("kube-a", "kube-b", "kube-c")
+SWITCH = {"kube-a": "s1", "kube-b": "s2", "kube-c": "s1"}
+"""The nodes' switches, in the label the ``kubernetes`` scheduler reads by default."""
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[EmulatedCluster]:
-    with EmulatedCluster(nodes=NODES) as emulated:
+    labels = {n: {TOPOLOGY_LABELS["switch"]: s} for n, s in SWITCH.items()}
+    with EmulatedCluster(nodes=NODES, node_labels=labels) as emulated:
         yield emulated
 
 
@@ -133,3 +143,41 @@ def test_a_pod_standing_by_takes_the_place_of_one_whose_agent_is_killed(
     final = final_weights(tmp_path)
     assert final.keys() == clean_weights.keys()
     assert all(torch.equal(final[k], clean_weights[k]) for k in final)
+
+
+def test_the_pods_of_one_switch_get_contiguous_ranks(
+    tmp_path: Path, cluster: EmulatedCluster, train_gpt: list[str]
+) -> None:
+    """3 pods, one on each node: kube-a and kube-c are on switch s1, kube-b on s2 (their
+    nodes' labels). Whatever order the pods join in, ranks 0 and 1 are s1's, rank 2 s2's, and
+    the job trains to its end."""
+    config = with_sections(
+        job(tmp_path, cluster, train_gpt, nodes=3), rendezvous={"backend": "topology"}
+    )
+    run = subprocess.Popen(
+        [sys.executable, "-m", "planaria", "run", str(config)],
+        cwd=tmp_path,
+        env={**os.environ, "COLUMNS": "200"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+
+        def bound() -> dict[str, str]:
+            found = {
+                p["metadata"]["labels"][pods.NODE_LABEL]: p["spec"].get("nodeName") or ""
+                for p in job_objects(cluster, "pods", "k8s-e2e")
+            }
+            return found if len(found) == 3 and all(found.values()) else {}
+
+        host_of = wait_for("the job's 3 pods bound", bound, timeout=90)
+        output, _ = run.communicate(timeout=240)
+    finally:
+        if run.poll() is None:
+            run.send_signal(signal.SIGINT)
+            run.communicate(timeout=60)
+    assert run.returncode == 0, output
+    switches = switches_by_rank(job_events(tmp_path), lambda node: SWITCH[host_of[node]])
+    assert switches == ["s1", "s1", "s2"], (switches, host_of)
+    assert job_objects(cluster, "pods", "k8s-e2e") == []

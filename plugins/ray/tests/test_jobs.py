@@ -3,10 +3,15 @@ on 2 Ray nodes of 3. A Ray node whose raylet is killed from outside loses its ag
 master replaces it on the free Ray node and the job ends with bitwise the weights of a run
 without a fault; with a node standing by (``job.standby``), that node takes the lost one's
 place at once, and the replacement refills the pool. A killed worker restarts in place and
-restores from memory."""
+restores from memory. With ``rendezvous.backend: topology`` the nodes on Ray nodes of one
+switch (a Ray node label) get contiguous ranks (first here: it needs the cluster's first three
+raylets, on two switches)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,12 +24,58 @@ from planaria.testing.jobs import (
     job_events,
     run_planaria,
     standby_took_over,
+    switches_by_rank,
     wait_for,
+    with_sections,
 )
 from planaria_ray.testing import LocalCluster
 
 torch = pytest.importorskip("torch")
 ray = pytest.importorskip("ray")
+
+
+def test_the_nodes_of_one_switch_get_contiguous_ranks(
+    tmp_path: Path, ray_cluster: LocalCluster
+) -> None:
+    """3 nodes, one on each worker raylet: two of them are on one switch, the third on the
+    other (their Ray node labels). Whatever order the agents join in, the two take ranks 0
+    and 1 or 1 and 2, and the job trains to its end."""
+    switches = sorted(n.labels.get("switch", "") for n in ray_cluster.worker_nodes())
+    assert switches in (["s1", "s1", "s2"], ["s1", "s2", "s2"]), (
+        f"the live raylets must be on two switches, two on one: {switches} (a test before "
+        "this one changed the cluster)"
+    )
+    config = with_sections(
+        job(tmp_path, on_ray(ray_cluster.address), nodes=3), rendezvous={"backend": "topology"}
+    )
+    run = subprocess.Popen(
+        [sys.executable, "-m", "planaria", "run", str(config)],
+        cwd=tmp_path,
+        env={**os.environ, "COLUMNS": "200"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+
+        def formed() -> dict | None:
+            rounds = [e for e in job_events(tmp_path) if e["kind"] == "rendezvous_completed"]
+            return rounds[0]["data"]["ranks"] if rounds else None
+
+        ranks = wait_for("the first round", formed, timeout=180)
+        (run_dir,) = tmp_path.glob("planaria-runs/*")
+        ray_node = {n: ray_cluster.ray_node_of(run_dir, n) for n in ranks}
+        output = finished(run)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate(timeout=60)
+    assert run.returncode == 0, output
+
+    def switch(node: str) -> str:
+        return ray_cluster.node_by_id(ray_node[node]).labels["switch"]
+
+    assert switches_by_rank(job_events(tmp_path), switch) == switches, (ranks, ray_node)
 
 
 def test_a_ray_node_whose_raylet_is_killed_is_replaced_on_the_free_node(

@@ -17,6 +17,20 @@ _QUANTITY = re.compile(
     r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[numkMGTPE]|[KMGTPE]i)?$"
 )
 """A Kubernetes resource quantity: ``500m``, ``2``, ``16Gi``, ``1e3``."""
+_LABEL_KEY = re.compile(
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+"""A Kubernetes label key: an optional DNS-subdomain prefix and ``/``, then a name."""
+
+TOPOLOGY_LABELS = {
+    "region": "topology.kubernetes.io/region",
+    "zone": "topology.kubernetes.io/zone",
+    "switch": "network.topology.nvidia.com/leaf",
+}
+"""The default ``topology_labels``: the well-known region and zone labels that cloud providers
+set on every node, and the leaf switch label that NVIDIA's Topograph writes from the fabric.
+A cluster that labels its switches otherwise says so in the option."""
 
 
 def model_errors(kind: str, value: Any) -> list[str]:
@@ -134,6 +148,14 @@ class KubernetesOptions(BaseModel):
         default=False,
         description="cordon a node diagnosed faulty (needs the right to patch nodes)",
     )
+    topology_labels: dict[str, str] = Field(
+        default_factory=lambda: dict(TOPOLOGY_LABELS),
+        description="where a node stands, for rank placement (rendezvous.backend: topology): "
+        "each planaria topology label (switch, zone...) and the label of the Kubernetes node "
+        "that holds its value, e.g. {switch: cloud.provider.com/topology-rack}; default: "
+        "region and zone from topology.kubernetes.io/, switch from "
+        "network.topology.nvidia.com/leaf",
+    )
     schedule_timeout: Duration = Field(
         default=60.0,
         gt=0,
@@ -163,6 +185,19 @@ class KubernetesOptions(BaseModel):
     def _shm(cls, value: str | None) -> str | None:
         if value is not None:
             _check_quantities({"shm_size": value})
+        return value
+
+    @field_validator("topology_labels")
+    @classmethod
+    def _label_keys(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, key in value.items():
+            if not name:
+                raise ValueError(f"{key!r}: the topology label it fills has no name")
+            if len(key) > 316 or not _LABEL_KEY.match(key):
+                raise ValueError(
+                    f"{name}: {key!r} is not a Kubernetes label key (e.g. "
+                    "topology.kubernetes.io/zone)"
+                )
         return value
 
     @field_validator("volumes")

@@ -19,6 +19,9 @@ models (:mod:`planaria_kubernetes.pods`), and follows them with a list-then-watc
   excluded host, and (``one_per_node``) a required pod anti-affinity against the run's other
   pods. With ``cordon: true`` a node diagnosed faulty is also cordoned; a permission error
   there is a warning, never a failure.
+- **Topology.** A node's handle carries the labels ``topology_labels`` names, read off the
+  Kubernetes node its pod is bound to (the node watch has them: no request of its own), for a
+  rank placement by switch (``rendezvous.backend: topology``).
 - **Ownership.** Every pod has an owner reference: to the master's own pod when it runs in one
   (deleting the master deletes the job), to a configured owner, or else to the token Secret.
 
@@ -142,6 +145,13 @@ def _unschedulable(pod: dict[str, Any]) -> str:
         if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
             return f"{condition.get('reason') or 'Unschedulable'}: {condition.get('message') or ''}"
     return ""
+
+
+def node_topology(node: dict[str, Any], wanted: dict[str, str]) -> dict[str, str]:
+    """The topology of a Kubernetes node (its JSON): for each planaria label of ``wanted``,
+    the value of the node label it names, where the node has one."""
+    labels = node.get("metadata", {}).get("labels") or {}
+    return {name: str(labels[key]) for name, key in wanted.items() if key in labels}
 
 
 def _ready(node: dict[str, Any]) -> tuple[bool, str]:
@@ -351,6 +361,13 @@ class KubernetesScheduler(EngineScheduler[KubernetesOptions, _Pod]):
         assert node.data is not None
         return {"pod": node.data.name, "namespace": self._namespace}
 
+    def handle_topology(self, node: _K8sNode) -> dict[str, str]:
+        """The ``topology_labels`` of the Kubernetes node the pod is bound to, as the node
+        watch last saw it; empty until the pod is bound, and for a node without them."""
+        with self._lock:
+            host = (node.data.host if node.data is not None else "") or node.host
+            return node_topology(self._cluster_nodes.get(host, {}), self.options.topology_labels)
+
     def terminate(self, nodes: list[_K8sNode], grace: float) -> None:
         """Delete the nodes' pods (their agents get SIGTERM, SIGKILL after ``grace``); the
         kubelets stop them. Stopping every node waits until they are gone (:meth:`after_stop`)."""
@@ -521,7 +538,7 @@ class KubernetesScheduler(EngineScheduler[KubernetesOptions, _Pod]):
 
     def _placed(self, handle: NodeHandle) -> NodeHandle:
         """``handle`` as its node is now: where Kubernetes bound it (``pending`` until it
-        did), and whether it runs."""
+        did), with that Kubernetes node's topology, and whether it runs."""
         node = self.node(handle.node_id)
         with self._lock:
             pod = node.data
@@ -529,7 +546,13 @@ class KubernetesScheduler(EngineScheduler[KubernetesOptions, _Pod]):
                 node.host = pod.host or node.host
             running = pod is not None and pod.running
         state = NodeState.RUNNING if running else NodeState.PENDING
-        return handle.model_copy(update={"host": node.host or "pending", "state": state})
+        return handle.model_copy(
+            update={
+                "host": node.host or "pending",
+                "state": state,
+                "topology": self.handle_topology(node),
+            }
+        )
 
     def _hostnames(self, hosts: Iterable[str]) -> list[str]:
         """The ``kubernetes.io/hostname`` labels (names, for a node without one) of ``hosts``."""

@@ -252,6 +252,20 @@ def alive_nodes() -> list[dict[str, Any]]:
     return [n for n in ray.nodes() if n.get("Alive")]
 
 
+RAY_LABELS = "ray.io/"
+"""The prefix of the labels Ray puts on every node itself (``ray.io/node-id``...)."""
+
+
+def node_topology(node: dict[str, Any], wanted: list[str] | None) -> dict[str, str]:
+    """The topology of a Ray node (a ``ray.nodes()`` entry): its labels (``ray start
+    --labels``) named in ``wanted``, or, without ``wanted``, every label but Ray's own. A
+    node without labels (or a Ray that has none) has none."""
+    labels = node.get("Labels") or {}
+    if wanted is None:
+        return {k: str(v) for k, v in labels.items() if not k.startswith(RAY_LABELS)}
+    return {k: str(labels[k]) for k in wanted if k in labels}
+
+
 def fits(node: dict[str, Any], demand: dict[str, float]) -> bool:
     """Whether the node has ``demand`` in all (its total, busy or not)."""
     have = node.get("Resources", {})

@@ -45,6 +45,12 @@ class RayOptions(BaseModel):
         description="how long an agent's actor may wait to be placed and started before it "
         "is given up as failed (resources taken by others, a node that cannot start it)",
     )
+    topology_labels: list[str] | None = Field(
+        default=None,
+        description="the labels of a Ray node (`ray start --labels switch=s1`) that say where "
+        "it stands, for rank placement (rendezvous.backend: topology); none: every label but "
+        "Ray's own (`ray.io/...`)",
+    )
     stop_grace: Duration = Field(
         default=5.0, description="time an agent gets after SIGTERM before SIGKILL"
     )
@@ -60,6 +66,13 @@ class RayOptions(BaseModel):
                 )
             if amount < 0:
                 raise ValueError(f"resource {name!r} must be 0 or more, not {amount}")
+        return value
+
+    @field_validator("topology_labels")
+    @classmethod
+    def _label_names(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not all(value):
+            raise ValueError("a topology label has no name")
         return value
 
     def demand(self) -> dict[str, float]:

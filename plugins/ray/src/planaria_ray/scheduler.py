@@ -21,6 +21,10 @@ is declared dead by the GCS after its health checks fail (``health_check_period_
 ``health_check_failure_threshold``, 15 s by default); an agent that stops heart-beating is
 the master's own finding (``master.heartbeat_timeout``).
 
+A node's handle carries the labels of the Ray node it is placed on (``topology_labels``, or
+every label but Ray's own), for a rank placement by switch (``rendezvous.backend:
+topology``): ``ray start --labels switch=s1`` on each machine says where it stands.
+
 Launched nodes that find no free Ray node wait, ``pending``, and start as soon as one joins
 the cluster. A replacement with no free Ray node is an error, on which the master shrinks an
 elastic job or stops it with that reason.
@@ -129,6 +133,9 @@ class RayScheduler(EngineScheduler[RayOptions, _Actor]):
         super().__init__(options)
         self._local: Any = None
         """The cluster started for this run, when there is no address."""
+        self._topology: dict[str, dict[str, str]] = {}
+        """Each Ray node's topology, by id, as last listed: a Ray node's labels are set when
+        it starts, and do not change."""
 
     # -- the Scheduler interface, beyond the engine's --------------------------------------
 
@@ -214,9 +221,11 @@ class RayScheduler(EngineScheduler[RayOptions, _Actor]):
             n.host for n in self.nodes.values() if not n.released and n.host and n is not replacing
         }
         demand = self.options.demand()
+        live = cluster.alive_nodes()
+        self._remember(live)
         free = [
             str(n["NodeID"])
-            for n in cluster.alive_nodes()
+            for n in live
             if n["NodeID"] not in taken and n["NodeID"] not in avoid and cluster.fits(n, demand)
         ]
         if replacing is None:
@@ -227,6 +236,20 @@ class RayScheduler(EngineScheduler[RayOptions, _Actor]):
                 f"{', '.join(sorted(avoid)) or 'none'}); add a node to the cluster"
             )
         return sorted(free, key=lambda host: host == replacing.host)[0]
+
+    def handle_topology(self, node: _RayNode) -> dict[str, str]:
+        """The topology of the Ray node the node is placed on (see the module docstring);
+        empty while it waits for one."""
+        if not node.host:
+            return {}
+        if node.host not in self._topology:
+            self._remember(cluster.alive_nodes())
+        return dict(self._topology.get(node.host, {}))
+
+    def _remember(self, live: list[dict[str, Any]]) -> None:
+        wanted = self.options.topology_labels
+        for found in live:
+            self._topology[str(found["NodeID"])] = cluster.node_topology(found, wanted)
 
     # -- actors -----------------------------------------------------------------------------
 

@@ -35,6 +35,10 @@ cluster's processes get a home of their own with an empty one. The cluster's tem
 directory is its own too (``--temp-dir``), so that ``ray start --head`` leaves no
 ``/tmp/ray/ray_current_cluster`` for another cluster's ``address: auto`` to find.
 
+A worker raylet can carry Ray node labels (``ray start --labels``), by the name of its namespace
+(``n1``, ``n2``...: ``labels={"n1": {"switch": "s1"}}``), as a machine's operator labels it
+with where it stands in the network; a node added later in a namespace gets that namespace's.
+
 Creating namespaces needs root: :func:`unavailable` says why a machine cannot (tests skip).
 """
 
@@ -51,7 +55,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -98,19 +103,33 @@ def unavailable() -> str | None:
 
 @dataclass
 class RayNode:
-    """A worker raylet: the namespace it runs in, its address, its Ray node id."""
+    """A worker raylet: the namespace it runs in, its address, its Ray node id, its labels."""
 
     name: str
     address: str
     node_id: str
+    labels: dict[str, str] = field(default_factory=dict)
 
 
 class LocalCluster:
     """A head and ``workers`` raylets with :data:`AGENT`, each a host of its own (see the
     module docstring); ways to lose and add nodes. ``spares``: namespaces kept for nodes added
-    later."""
+    later; ``labels``: the Ray node labels of the raylets, by namespace name (``n1``...,
+    ``n<workers + spares>``)."""
 
-    def __init__(self, workers: int = 3, spares: int = 3) -> None:
+    def __init__(
+        self,
+        workers: int = 3,
+        spares: int = 3,
+        labels: Mapping[str, Mapping[str, str]] | None = None,
+    ) -> None:
+        names = [f"n{i}" for i in range(1, workers + spares + 1)]
+        self.labels = {name: dict(found) for name, found in (labels or {}).items()}
+        unknown = sorted(set(self.labels) - set(names))
+        if unknown:
+            raise ValueError(
+                f"labels for {', '.join(unknown)}: no such namespace (they are n1 to n{len(names)})"
+            )
         os.environ["RAY_AUTH_MODE"] = "disabled"
         os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
         self.home = Path(tempfile.mkdtemp(prefix="planaria-ray-home-"))
@@ -121,7 +140,6 @@ class LocalCluster:
         self.started = 0
         self.nodes: dict[str, RayNode] = {}
         """The live worker raylets, by namespace name."""
-        names = [f"n{i}" for i in range(1, workers + spares + 1)]
         self.free = list(names)
         """Namespaces that hold no node: spares first, then those of nodes lost."""
         self.network = netns.Network([HEAD, *names], host=True)
@@ -206,8 +224,13 @@ class LocalCluster:
         if not self.free:
             raise RuntimeError("no namespace is free for another Ray node: make more spares")
         name = self.free.pop(0)
-        self._start(name, [f"--address={self.address}", f"--resources={json.dumps(AGENT)}"], NODE)
-        node = self.nodes[name] = RayNode(name, self.network.address(name), self._node_id(name))
+        labels = self.labels.get(name, {})
+        extra = [f"--address={self.address}", f"--resources={json.dumps(AGENT)}"]
+        if labels:
+            extra.append("--labels=" + ",".join(f"{k}={v}" for k, v in labels.items()))
+        self._start(name, extra, NODE)
+        address, node_id = self.network.address(name), self._node_id(name)
+        node = self.nodes[name] = RayNode(name, address, node_id, dict(labels))
         return node
 
     def _start_driver_node(self) -> int:

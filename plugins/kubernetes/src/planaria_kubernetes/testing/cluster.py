@@ -101,12 +101,12 @@ class _Server(kmock.Server):
 class EmulatedCluster:
     """A context manager: entering starts the cluster, leaving stops it and its processes.
 
-    ``nodes`` are the Node objects (labels ``kubernetes.io/hostname=<name>``, Ready, with
-    ``allocatable`` as capacity); ``namespace`` is created (with ``default``) and is the
-    kubeconfig context's namespace; pods' output goes to ``log_dir`` (a temporary directory,
-    removed on exit, when not given). ``hosts``: every node a host of its own (see the module
-    docstring); True requires it (``RuntimeError`` saying why the machine cannot), None (the
-    default) has it where the machine can.
+    ``nodes`` are the Node objects (labels ``kubernetes.io/hostname=<name>`` and the node's
+    ``node_labels``, Ready, with ``allocatable`` as capacity); ``namespace`` is created (with
+    ``default``) and is the kubeconfig context's namespace; pods' output goes to ``log_dir`` (a
+    temporary directory, removed on exit, when not given). ``hosts``: every node a host of its
+    own (see the module docstring); True requires it (``RuntimeError`` saying why the machine
+    cannot), None (the default) has it where the machine can.
 
     Attributes: ``url`` (``http://<host address>:<port>``), ``kubeconfig`` (its path; context
     ``emulated``, any token), ``namespace``, ``log_dir``, ``requests`` (``(method, path?query)``
@@ -122,8 +122,16 @@ class EmulatedCluster:
         allocatable: Mapping[str, str] | None = None,
         log_dir: Path | None = None,
         hosts: bool | None = None,
+        node_labels: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         self.node_names = tuple(nodes)
+        self.node_labels = {n: dict(labels) for n, labels in (node_labels or {}).items()}
+        unknown = sorted(set(self.node_labels) - set(self.node_names))
+        if unknown:
+            raise ValueError(
+                f"node_labels for {', '.join(unknown)}: no such node (the nodes are "
+                f"{', '.join(self.node_names)})"
+            )
         self.hosts = hosts
         self.network: netns.Network | None = None
         self.namespace = namespace
@@ -278,6 +286,7 @@ class EmulatedCluster:
                     "kubernetes.io/hostname": name,
                     "kubernetes.io/os": "linux",
                     "kubernetes.io/arch": "amd64",
+                    **self.node_labels.get(name, {}),
                 },
             },
             "spec": {},
