@@ -16,7 +16,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from planaria.testing.jobs import EXAMPLE, events, job, run, weights  # noqa: E402
+from planaria.testing.jobs import (  # noqa: E402
+    EXAMPLE,
+    events,
+    job,
+    restored_from_replicas,
+    run,
+    weights,
+)
 
 OUT = ["--out", "final.pt"]
 STEPS = 24
@@ -88,16 +95,18 @@ def test_a_lost_nodes_ranks_restore_from_their_replica_on_a_standby_node(tmp_pat
         checkpoint={"replica": {}},
         chaos=[{"kind": "kill_node", "node_rank": 1, "at_step": 13}],
     )
-    rounds = [e for e in timeline if e["kind"] == "rendezvous_completed"]
-    last = rounds[-1]
-    assert last["data"].get("from_standby"), last["message"]
+    (lost,) = {
+        e["node"]
+        for e in timeline
+        if e["kind"] == "fault_detected" and e["data"].get("fault") == "node_lost"
+    }
+    assert [e for e in timeline if e["kind"] == "rendezvous_completed"][-1]["data"].get(
+        "from_standby"
+    )
     # Every rank restored from memory: the survivor's own, the lost node's fetched from the
     # survivor's replica (no step persisted since step 8 was redone from storage).
-    restore = last["data"]["restore"]
-    assert restore.startswith("memory:"), last["message"]
-    assert "replicas" in last["data"]["restore_why"], last["message"]
-    assert int(restore.partition(":")[2]) >= 12, last["message"]
-    step = int(restore.partition(":")[2])
+    step = restored_from_replicas(timeline, lost)
+    assert step >= 12
     resumed = _last_resumed(tmp_path / "faulty")
     assert resumed == {0: f"resumed from step {step} (memory)"}, resumed
     # The node that took the lost ranks copied them from the replica before its workers began.

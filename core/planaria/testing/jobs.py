@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -274,6 +275,24 @@ def switches_by_rank(
         assert switch not in seen, f"the ranks of switch {switch} are split: {switches} {ranks}"
         seen.append(switch)
     return switches
+
+
+def restored_from_replicas(timeline: Sequence[dict[str, Any]], lost: str) -> int:
+    """Check, in a job's events, that the round after ``lost`` was lost restored every rank
+    from memory, ``lost``'s ranks from the replicas a survivor kept (``checkpoint.replica``).
+    Returns the step restored."""
+    rounds = [e for e in timeline if e["kind"] == "rendezvous_completed"]
+    before = next(r for r in reversed(rounds) if lost in r["data"]["ranks"])
+    after = rounds[-1]
+    restore, why = after["data"]["restore"], after["data"]["restore_why"]
+    assert restore.startswith("memory:"), after["message"]
+    procs = before["data"]["world_size"] // len(before["data"]["ranks"])
+    first = before["data"]["ranks"][lost] * procs
+    fetched = {int(rank) for rank in re.findall(r"rank (\d+) from [^,:]+", why)}
+    assert why.endswith(": replicas)") and fetched == set(range(first, first + procs)), why
+    survivors = set(after["data"]["ranks"]) - {lost}
+    assert all(holder in survivors for holder in re.findall(r"rank \d+ from ([^,:]+)", why)), why
+    return int(restore.partition(":")[2])
 
 
 def wait_for(

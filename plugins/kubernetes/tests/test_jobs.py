@@ -27,6 +27,7 @@ from planaria.testing.jobs import (
     final_weights,
     job_events,
     paused_run,
+    restored_from_replicas,
     standby_took_over,
     switches_by_rank,
     wait_for,
@@ -121,6 +122,7 @@ def test_a_pod_standing_by_takes_the_place_of_one_whose_agent_is_killed(
     SIGKILLed; the round after the loss has the pod that stood by in rank 1, and the
     replacement (one pod per node: it goes where the failed pod was) stands by in its turn."""
     config = job(tmp_path, cluster, train_gpt, standby=1)
+    with_sections(config, checkpoint={"replica": {}})
     with paused_run(tmp_path, config) as run:
         running = job_objects(cluster, "pods", "k8s-e2e")
         assert len(running) == 3, [p["metadata"]["name"] for p in running]
@@ -139,6 +141,7 @@ def test_a_pod_standing_by_takes_the_place_of_one_whose_agent_is_killed(
     assert run.returncode == 0, output
     replaced = standby_took_over(job_events(tmp_path), lost, spare)
     assert replaced["data"]["replacement_host"] == victim["spec"]["nodeName"], replaced
+    restored_from_replicas(job_events(tmp_path), lost)
     assert job_objects(cluster, "pods", "k8s-e2e") == []
     final = final_weights(tmp_path)
     assert final.keys() == clean_weights.keys()

@@ -22,6 +22,7 @@ from planaria.testing import jobs
 from planaria.testing.jobs import (
     final_weights,
     job_events,
+    restored_from_replicas,
     run_planaria,
     standby_took_over,
     switches_by_rank,
@@ -126,6 +127,7 @@ def test_a_ray_node_standing_by_takes_the_place_of_one_whose_raylet_is_killed(
     keeps its size for the tests after this one); the round after the loss has the node that
     stood by in rank 1, and the replacement stands by in its turn."""
     config = job(tmp_path, on_ray(ray_cluster.address), standby=1)
+    with_sections(config, checkpoint={"replica": {}})
     with jobs.paused_run(tmp_path, config) as run:
         (run_dir,) = tmp_path.glob("planaria-runs/*")
         (started,) = [e for e in job_events(tmp_path) if e["kind"] == "job_started"]
@@ -142,6 +144,7 @@ def test_a_ray_node_standing_by_takes_the_place_of_one_whose_raylet_is_killed(
     assert run.returncode == 0, output
     replaced = standby_took_over(job_events(tmp_path), lost, spare)
     assert replaced["data"]["replacement_host"] == added, replaced
+    restored_from_replicas(job_events(tmp_path), lost)
     final = final_weights(tmp_path)
     assert final.keys() == clean_weights.keys()
     assert all(torch.equal(final[k], clean_weights[k]) for k in final)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from conftest import job, slurm
 
-from planaria.testing.jobs import run_planaria, wait_for
+from planaria.testing.jobs import run_planaria, wait_for, with_sections
 
 
 def job_state(job_id: str) -> str:
@@ -25,12 +25,14 @@ def steps(job_id: str) -> dict[str, tuple[str, str]]:
     return found
 
 
-def submit_and_pause(where: Path, standby: int = 0) -> tuple[str, dict[str, tuple[str, str]]]:
-    """Submit the job (3 nodes: 2 and a spare; ``standby`` more, ``job.standby``) with rank 0
-    stopping itself at step 10, so that a fault from outside lands mid-training; returns the
-    Slurm job id and its agent steps."""
+def submit_and_pause(
+    where: Path, standby: int = 0, **sections: object
+) -> tuple[str, dict[str, tuple[str, str]]]:
+    """Submit the job (3 nodes: 2 and a spare; ``standby`` more, ``job.standby``; ``sections``
+    merged into its file) with rank 0 stopping itself at step 10, so that a fault from outside
+    lands mid-training; returns the Slurm job id and its agent steps."""
     scheduler = {"backend": "slurm", "options": {"spares": 1, "sbatch": ["--oversubscribe"]}}
-    config = job(where, scheduler, standby=standby)
+    config = with_sections(job(where, scheduler, standby=standby), **sections)
     chaos = ["--set", 'chaos=[{"kind": "stop_worker", "rank": 0, "at_step": 10}]']
     submitted = run_planaria(where, "submit", str(config), *chaos)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr

@@ -18,6 +18,7 @@ from slurm_jobs import finish, job_state, steps, submit_and_pause
 from planaria.testing.jobs import (
     final_weights,
     job_events,
+    restored_from_replicas,
     run_planaria,
     standby_took_over,
     wait_for,
@@ -90,7 +91,7 @@ def test_a_node_standing_by_takes_the_place_of_a_node_set_down(
     (not the batch host's, where the master runs) is set down; the round after it has the node
     that stood by, in the lost node's rank, and the replacement on the spare refills the
     pool."""
-    job_id, agents = submit_and_pause(tmp_path, standby=1)
+    job_id, agents = submit_and_pause(tmp_path, standby=1, checkpoint={"replica": {}})
     assert len(agents) == 3, agents  # 2 in the world, 1 standing by; the spare holds none
     host_of = {name.rsplit(".", 1)[1]: host for name, (_, host) in agents.items()}
     rounds = [e for e in job_events(tmp_path) if e["kind"] == "rendezvous_completed"]
@@ -108,6 +109,7 @@ def test_a_node_standing_by_takes_the_place_of_a_node_set_down(
     leftovers += [run_dir.name, victim]
 
     replaced = standby_took_over(job_events(tmp_path), victim, spare)
+    restored_from_replicas(job_events(tmp_path), victim)
     # The spare's node replaced the lost one and stood by in its turn.
     assert replaced["data"]["replacement"] not in host_of
     assert replaced["data"]["replacement_host"] not in host_of.values()
