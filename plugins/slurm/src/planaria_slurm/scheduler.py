@@ -15,7 +15,9 @@ through the environment (srun exports it), never a command line.
 
 The scheduler engine (:mod:`planaria.scheduler.engine`) keeps the nodes, their ids and
 events, the excluded hosts and the one-thread rule; this module places nodes on the
-allocation's hosts and starts, watches and stops their steps.
+allocation's hosts and starts, watches and stops their steps. Each node's handle carries
+its host's leaf switch (or block) from Slurm's topology plugin, read once per allocation
+(:func:`planaria_slurm.commands.node_topology`), for a topology rank placement.
 
 Why one module: it is one backend of the engine, and the step's life (placed on a host of the
 allocation, started, watched, stopped) is one idea; the Slurm facts it relies on (what a
