@@ -241,6 +241,12 @@ cmd_start() {
         die "PLANARIA_SLURM_TOPOLOGY must be tree or none, got '$TOPOLOGY'"
     need_root start
     if pid_alive "$(pid_of "$DIR/run/slurmctld.pid")"; then
+        local running=none
+        ! grep -q '^TopologyPlugin=topology/tree' "$CONF" || running=tree
+        if [[ $running != "$TOPOLOGY" ]]; then
+            die "the cluster running in $DIR has topology $running, not $TOPOLOGY;" \
+                "run '$0 stop' first"
+        fi
         if [[ $(configured_nodes) -eq $nodes ]]; then
             log "already running with $nodes nodes in $DIR"
             print_env
