@@ -344,8 +344,8 @@ class NodeRemoved(Payload):
 
 
 class RendezvousCompleted(Payload):
-    """A round closed: its members' node ranks, where their workers restore from, and which
-    members stood by until it (``job.standby``)."""
+    """A round closed: its members' node ranks, where their workers restore from, which
+    members stood by until it (``job.standby``), and their topology labels."""
 
     KIND = EventKind.RENDEZVOUS_COMPLETED
     round: int
@@ -358,6 +358,9 @@ class RendezvousCompleted(Payload):
     from_standby: list[str] | None = None
     """Members that stood by, warm, until this round (``job.standby``): a lost node's place
     taken without a scheduler round trip."""
+    topology: dict[str, dict[str, str]] | None = None
+    """Each member's topology labels (``{"node-0": {"switch": "s1"}}``), when its scheduler
+    gave any: what a topology rank placement grouped them by."""
 
 
 # -- checkpoints --------------------------------------------------------------------------

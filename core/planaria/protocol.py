@@ -401,6 +401,9 @@ class NodeStatus(Message):
     node_rank: int | None
     step: int
     """The last step the node's workers completed, as the master last heard (-1: none)."""
+    topology: dict[str, str] = Field(default_factory=dict)
+    """Where its scheduler says it stands (``{"switch": "s1"}``): the labels a topology rank
+    placement groups nodes by; empty when the scheduler does not know."""
 
 
 class JobStatus(Message):

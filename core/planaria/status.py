@@ -236,6 +236,7 @@ def _ended(run_dir: Path, journalled: Journalled, steps: dict[str, int]) -> JobS
             state=str(record.get("phase", "")),
             node_rank=(world.get(node_id) or {}).get("node_rank"),
             step=steps.get(node_id, -1),
+            topology=_topology(journalled.handles.get(node_id)),
         )
         for node_id, record in journalled.nodes.items()
     ]
@@ -261,6 +262,15 @@ def _ended(run_dir: Path, journalled: Journalled, steps: dict[str, int]) -> JobS
         reason=reason,
         steps_done=done,
     )
+
+
+def _topology(handle: dict[str, Any] | None) -> dict[str, str]:
+    """A journalled scheduler handle's topology labels; none when it has none (a run of a
+    planaria before labels, or a scheduler that gives none)."""
+    labels = (handle or {}).get("topology") or {}
+    if not isinstance(labels, dict):
+        return {}
+    return {str(k): str(v) for k, v in labels.items()}
 
 
 def _journalled(run_dir: Path) -> Journalled:

@@ -65,6 +65,7 @@ def test_every_run_writes_a_report_telling_both_faults_and_their_recoveries(faul
     assert f"report: {page}" in output
     html = page.read_text()
     assert html.count("<svg") == 1 and "</svg>" in html
+    assert "<h2>Nodes</h2>" not in html  # no topology labels: no table of them
 
     summary = json.loads((run_dir / "summary.json").read_text())
     faults = summary["faults"]

@@ -38,8 +38,16 @@ def _wait(tmp_path: Path, proc: subprocess.Popen[str], until, timeout: float = 1
 
 @pytest.mark.slow
 def test_status_of_a_running_job_then_of_the_job_over(tmp_path, mark):
+    """The scheduler labels the nodes' hosts (the local scheduler's ``topology`` option, as
+    Slurm's topology plugin would): each node shows its labels, asked of the master and read
+    from the journal after."""
     command = [sys.executable, str(EXAMPLE), "--steps", "100000", "--ckpt-every", "50"]
-    config = job(tmp_path, job={"command": command, "procs_per_node": 1})
+    switches = {"local-0": {"switch": "s1"}, "local-1": {"switch": "s2"}}
+    config = job(
+        tmp_path,
+        job={"command": command, "procs_per_node": 1},
+        scheduler={"backend": "local", "options": {"topology": switches}},
+    )
     proc = start(tmp_path, mark, str(config))
     try:
         first = _wait(tmp_path, proc, lambda v: v["running"] and v["step"] >= 1)
@@ -52,6 +60,10 @@ def test_status_of_a_running_job_then_of_the_job_over(tmp_path, mark):
         assert all(
             n["host"].startswith("local-") and n["state"] == "running" for n in nodes.values()
         )
+        assert {n["node_id"]: n["topology"] for n in nodes.values()} == {
+            "node-0": {"switch": "s1"},
+            "node-1": {"switch": "s2"},
+        }
         assert any(e["kind"] == "rendezvous_completed" for e in first["events"])
         later = _wait(tmp_path, proc, lambda v: v["step"] > first["step"] + 2)
         assert later["running"] and max(n["step"] for n in later["nodes"]) == later["step"]
@@ -66,6 +78,8 @@ def test_status_of_a_running_job_then_of_the_job_over(tmp_path, mark):
         text = status(str(run_dir))
         assert text.returncode == 0, text.stderr
         assert "e2e" in text.stdout and "running" in text.stdout and "node-1" in text.stdout
+        row = next(line for line in text.stdout.splitlines() if "node-1" in line)
+        assert "topology" in text.stdout and "switch=s2" in row, text.stdout
     finally:
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=60)
@@ -73,11 +87,16 @@ def test_status_of_a_running_job_then_of_the_job_over(tmp_path, mark):
     over = status_json(str(run_dir))
     assert not over["running"] and over["state"] == "failed"
     assert "interrupted by SIGINT" in over["reason"]
-    assert {n["node_id"] for n in over["nodes"]} == {"node-0", "node-1"}
+    assert {n["node_id"]: n["topology"] for n in over["nodes"]} == {
+        "node-0": {"switch": "s1"},
+        "node-1": {"switch": "s2"},
+    }
     assert over["step"] >= later["step"]
     assert over["events"][-1]["kind"] == "job_stopped"
     text = status(str(run_dir))
     assert text.returncode == 0 and "failed (over)" in text.stdout
+    row = next(line for line in text.stdout.splitlines() if "node-0" in line)
+    assert "switch=s1" in row, text.stdout
 
 
 def test_a_path_that_is_no_run_is_a_clear_error(tmp_path):
@@ -111,6 +130,8 @@ def test_status_of_an_ended_run_on_a_read_only_mount(tmp_path, mark):
         assert view["state"] == "succeeded" and not view["running"]
         text = status(str(run_dir))
         assert text.returncode == 0 and "succeeded (over)" in text.stdout, text.stderr
+        assert view["nodes"][0]["topology"] == {}
+        assert "topology" not in text.stdout  # no labels: no column for them
     finally:
         if mounted:
             subprocess.run(["umount", str(run_dir)], check=True)

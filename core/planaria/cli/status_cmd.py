@@ -14,6 +14,11 @@ from planaria.cli.app import JsonOption, app
 from planaria.cli.output import out, print_json
 
 
+def topology_text(labels: dict[str, str]) -> str:
+    """``switch=s1``, labels sorted, ``-`` for none."""
+    return " ".join(f"{k}={v}" for k, v in sorted(labels.items())) or "-"
+
+
 @app.command("status")
 def status_command(
     run_dir: Annotated[
@@ -32,8 +37,9 @@ def status_command(
     events: Annotated[int, typer.Option("--events", help="recent events to show")] = 10,
     json_: JsonOption = False,
 ) -> None:
-    """Show a job's state: its nodes (id, host, state, rank, last step), round, steps done
-    and recent events; asked of its master while it runs, read from RUN_DIR once it is over.
+    """Show a job's state: its nodes (id, host, state, rank, last step, and topology labels
+    when the scheduler gives them), round, steps done and recent events; asked of its master
+    while it runs, read from RUN_DIR once it is over.
 
     Exit 2 when RUN_DIR is not a run directory or the master cannot be asked.
     """
@@ -59,12 +65,17 @@ def status_command(
         out.print(Text(status.reason))
     out.print(Text(f"from {job.source}", "dim"))
     table = Table(title="nodes")
-    for column in ("node", "host", "state", "rank", "last step"):
+    # Where each node stands, when the scheduler said: what a topology placement groups by.
+    placed = any(node.topology for node in status.nodes)
+    for column in ("node", "host", "state", "rank", "last step", "topology")[: 6 if placed else 5]:
         table.add_column(column)
     for node in status.nodes:
         rank = "-" if node.node_rank is None else str(node.node_rank)
         step = "-" if node.step < 0 else str(node.step)
-        table.add_row(node.node_id, node.host, node.state, rank, step)
+        row = [node.node_id, node.host, node.state, rank, step]
+        if placed:
+            row.append(topology_text(node.topology))
+        table.add_row(*row)
     out.print(table)
     for event in job.events:
         out.print(

@@ -173,6 +173,7 @@ class Fleet:
                 state=n.phase.value,
                 node_rank=rank_of.get(n.node_id),
                 step=n.step,
+                topology=dict(n.topology),
             )
             for n in self.nodes.values()
         ]

@@ -755,6 +755,10 @@ class Master:
                     restore_why=plan.why,
                     persist_step=plan.persist_step,
                     from_standby=promoted or None,
+                    topology={
+                        n: dict(self.nodes[n].topology) for n in world if self.nodes[n].topology
+                    }
+                    or None,
                 ),
                 f"round {self.rounds.round}: {len(world)} node(s), world size {size}{taken}; "
                 f"restore from {plan.where}: {plan.why}",

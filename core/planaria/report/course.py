@@ -139,6 +139,8 @@ class Round:
     end: float
     ranks: dict[str, int]
     restore: str
+    topology: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Its members' topology labels, where their scheduler gave any."""
 
 
 @dataclass
@@ -184,6 +186,14 @@ class Course:
         )
         seen.update(dict.fromkeys(sorted(self.nodes)))
         return list(seen)
+
+    def topology(self) -> dict[str, dict[str, str]]:
+        """Each node's topology labels, as the last round it was in gave them (a node stays
+        where it is); empty when no scheduler gave any."""
+        labels: dict[str, dict[str, str]] = {}
+        for r in self.rounds:
+            labels.update(r.topology)
+        return labels
 
 
 FAULTS = (EventKind.FAULT_DETECTED, EventKind.HANG_DETECTED)
@@ -265,7 +275,12 @@ def course(events: Iterable[JobEvent | StepSample], summary: Summary | None = No
             restore = str(event.data.get("restore", ""))
             seen_rounds += 1
             number = int(event.data.get("round", seen_rounds))
-            rounds.append(Round(number, t, t, ranks, restore))
+            topology = {
+                str(n): {str(k): str(v) for k, v in dict(labels).items()}
+                for n, labels in dict(event.data.get("topology") or {}).items()
+                if isinstance(labels, dict)
+            }
+            rounds.append(Round(number, t, t, ranks, restore, topology))
             _follow_up(incidents, event, t)
         else:
             _follow_up(incidents, event, t)

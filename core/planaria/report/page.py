@@ -85,6 +85,9 @@ def page(course: Course, summary: Summary | None, figure_svg: str | None, source
         stragglers = straggler_rows(summary)
         if stragglers:
             parts += ["<h2>Stragglers</h2>", _table(STRAGGLER_COLUMNS, stragglers)]
+    topology = course.topology()
+    if topology:
+        parts += ["<h2>Nodes</h2>", _nodes(course, topology)]
     if course.losses:
         parts += ["<h2>Training loss</h2>", _losses(course)]
     if course.incidents:
@@ -149,6 +152,21 @@ def _losses(course: Course) -> str:
         "one a heartbeat at most (a long run's spread over it).</p>"
     )
     return note + "\n" + _table(("", "step", "loss", "at"), rows)
+
+
+def _nodes(course: Course, topology: dict[str, dict[str, str]]) -> str:
+    """Each node's topology labels (what a topology rank placement groups by) and its node
+    rank in each round it was in: whether nodes of one switch held contiguous ranks."""
+    rows = []
+    for name in course.nodes_seen():
+        labels = topology.get(name, {})
+        ranks = ", ".join(
+            f"{r.ranks[name]} (round {r.number})" for r in course.rounds if name in r.ranks
+        )
+        rows.append(
+            (name, " ".join(f"{k}={v}" for k, v in sorted(labels.items())) or "-", ranks or "-")
+        )
+    return _table(("node", "topology", "node rank"), rows)
 
 
 def _incidents(incidents: list[Incident]) -> str:

@@ -326,6 +326,14 @@ def _rates(
     return out
 
 
+def _row_label(name: str, labels: dict[str, str]) -> str:
+    """A node's row: its id, and under it its topology labels (``switch=s1``) when it has
+    any, so that the rows show which nodes share a switch."""
+    if not labels:
+        return name
+    return name + "\n" + " ".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
 def _nodes(ax: Any, course: Course, each: bool) -> None:
     """Each node a row: a bar a round it trained in, labelled with its rank; its step samples
     as ticks (numbered while few); a cross where it was lost. Too many nodes: one row, the
@@ -396,7 +404,11 @@ def _nodes(ax: Any, course: Course, each: bool) -> None:
                 color=FAULT,
                 ha="right" if leftwards else "left",
             )
-    ax.set_yticks(list(row.values()), list(row.keys()))
+    topology = course.topology()
+    ax.set_yticks(
+        list(row.values()),
+        [_row_label(name, topology.get(name, {})) for name in row],
+    )
     ax.set_ylim(-0.6, len(names) - 0.4)
 
 

@@ -23,6 +23,9 @@
 # Env: PLANARIA_SLURM_DIR (state directory, default /tmp/planaria-slurm),
 #      PLANARIA_SLURM_PORT (slurmctld port, default 16817; slurmd nodeN uses PORT+N),
 #      PLANARIA_SLURM_CPUS (CPUs per node, default 2), KEEP_LOGS=1 (stop keeps DIR/log),
+#      PLANARIA_SLURM_TOPOLOGY (tree, the default: the nodes' first half under leaf switch s1,
+#      the rest under s2, both under switch top, in DIR/etc/topology.conf; none: no topology
+#      plugin, as on a cluster without one),
 #      PLANARIA_SLURM_HOSTS ("NETNS=ADDRESS ...", one per node, in order: the namespace each
 #      slurmd runs in and its address), PLANARIA_SLURM_CONTROLLER (the address the nodes
 #      reach slurmctld at; needed with PLANARIA_SLURM_HOSTS, default 127.0.0.1).
@@ -33,6 +36,7 @@ DIR=${DIR%/}
 PORT=${PLANARIA_SLURM_PORT:-16817}
 CPUS=${PLANARIA_SLURM_CPUS:-2}
 HOSTS=${PLANARIA_SLURM_HOSTS:-}
+TOPOLOGY=${PLANARIA_SLURM_TOPOLOGY:-tree}
 CONTROLLER=${PLANARIA_SLURM_CONTROLLER:-}
 CONF=$DIR/etc/slurm.conf
 MUNGE_SOCKET=$DIR/munge/munge.socket
@@ -165,7 +169,24 @@ write_conf() {
         done
         echo "PartitionName=debug Nodes=node[1-$nodes] Default=YES MaxTime=INFINITE State=UP" \
             "OverSubscribe=YES"
+        if [[ $TOPOLOGY == tree ]]; then
+            # Where each node sits, as a cluster's network would have it (scontrol show
+            # topology): the scheduler plugin reads it, and rank placement follows it.
+            echo "TopologyPlugin=topology/tree"
+        fi
     } >"$CONF"
+    [[ $TOPOLOGY == tree ]] || return 0
+    # Two leaf switches (one when there is one node) under a top switch: Slurm places a job
+    # across leaf switches only where a switch above joins them.
+    local half=$(((nodes + 1) / 2))
+    {
+        echo "# Written by cluster.sh: the nodes' first half under s1, the rest under s2."
+        echo "SwitchName=s1 Nodes=node[1-$half]"
+        if ((nodes > half)); then
+            echo "SwitchName=s2 Nodes=node[$((half + 1))-$nodes]"
+            echo "SwitchName=top Switches=s[1-2]"
+        fi
+    } >"$DIR/etc/topology.conf"
 }
 
 # Alive and not a zombie (a zombie holds no socket; where init reaps late, it lingers).
@@ -216,8 +237,16 @@ fail_start() {
 cmd_start() {
     local nodes=${1:-4} i t0 deadline states
     [[ $nodes =~ ^[1-9][0-9]*$ ]] || die "NODES must be a positive integer, got '$nodes'"
+    [[ $TOPOLOGY == tree || $TOPOLOGY == none ]] ||
+        die "PLANARIA_SLURM_TOPOLOGY must be tree or none, got '$TOPOLOGY'"
     need_root start
     if pid_alive "$(pid_of "$DIR/run/slurmctld.pid")"; then
+        local running=none
+        ! grep -q '^TopologyPlugin=topology/tree' "$CONF" || running=tree
+        if [[ $running != "$TOPOLOGY" ]]; then
+            die "the cluster running in $DIR has topology $running, not $TOPOLOGY;" \
+                "run '$0 stop' first"
+        fi
         if [[ $(configured_nodes) -eq $nodes ]]; then
             log "already running with $nodes nodes in $DIR"
             print_env
@@ -401,7 +430,7 @@ env)
 stop) cmd_stop ;;
 status) cmd_status ;;
 *)
-    sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
     ;;
 esac

@@ -3,6 +3,7 @@ for a fault from outside, its agent steps, and its output once it ended."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from conftest import job, slurm
@@ -26,21 +27,28 @@ def steps(job_id: str) -> dict[str, tuple[str, str]]:
 
 
 def submit_and_pause(
-    where: Path, standby: int = 0, **sections: object
+    where: Path,
+    standby: int = 0,
+    nodes: int = 2,
+    sets: Sequence[str] = (),
+    **sections: object,
 ) -> tuple[str, dict[str, tuple[str, str]]]:
-    """Submit the job (3 nodes: 2 and a spare; ``standby`` more, ``job.standby``; ``sections``
-    merged into its file) with rank 0 stopping itself at step 10, so that a fault from outside
-    lands mid-training; returns the Slurm job id and its agent steps."""
+    """Submit the job (``nodes`` and a spare, 3 by default; ``standby`` more, ``job.standby``;
+    ``sets``: more ``--set`` values; ``sections`` merged into its file) with rank 0 stopping
+    itself at step 10, so that a fault from outside lands mid-training; returns the Slurm job
+    id and its agent steps."""
     scheduler = {"backend": "slurm", "options": {"spares": 1, "sbatch": ["--oversubscribe"]}}
-    config = with_sections(job(where, scheduler, standby=standby), **sections)
+    config = with_sections(job(where, scheduler, standby=standby, nodes=nodes), **sections)
     chaos = ["--set", 'chaos=[{"kind": "stop_worker", "rank": 0, "at_step": 10}]']
+    for value in sets:
+        chaos += ["--set", value]
     submitted = run_planaria(where, "submit", str(config), *chaos)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     job_id = submitted.stdout.split()[-1]
     assert job_id.isdigit(), submitted.stdout
-    nodes = slurm("squeue", "-h", "-j", job_id, "-o", "%D").stdout.strip()
     wait_for("the job's start", lambda: job_state(job_id) == "RUNNING")
-    assert slurm("squeue", "-h", "-j", job_id, "-o", "%D").stdout.strip() == str(3 + standby), nodes
+    allocated = slurm("squeue", "-h", "-j", job_id, "-o", "%D").stdout.strip()
+    assert allocated == str(nodes + 1 + standby), allocated
 
     def paused() -> bool:
         return any("stop_worker" in p.read_text() for p in where.glob("planaria-runs/*/logs/*.log"))

@@ -3,13 +3,16 @@
 ``scontrol ... state=down`` (to ``scancel`` of its step: test_multihost.py), is replaced on the
 spare and ends with bitwise the weights of a run without a fault; with a node standing by
 (``job.standby``), the node set down has its place taken by that one at once, and the spare
-refills the pool; with no spare left, the job is requeued without the bad node."""
+refills the pool; with no spare left, the job is requeued without the bad node. With
+``rendezvous.backend: topology`` on the cluster's two leaf switches (cluster.sh's topology.conf),
+ranks follow the switches, and a replacement takes the lost node's rank on its switch."""
 
 from __future__ import annotations
 
 import json
 import sys
 import time
+from itertools import pairwise
 
 import pytest
 from conftest import EXAMPLE, job, slurm
@@ -174,3 +177,80 @@ def test_with_no_spare_left_the_job_is_requeued_without_the_bad_node(tmp_path, r
     assert rounds[0]["data"]["restore"] == "storage", rounds[0]
     final, reference = final_weights(where), final_weights(clean_dir)
     assert all(torch.equal(final[k], reference[k]) for k in final)
+
+
+# cluster.sh's topology.conf: two leaf switches of two nodes each.
+SWITCH = {"node1": "s1", "node2": "s1", "node3": "s2", "node4": "s2"}
+
+
+def grouped(ranks: dict[str, int], switch_of: dict[str, str]) -> bool:
+    """Whether the nodes of each switch hold contiguous node ranks (one run a switch)."""
+    order = [switch_of[n] for n in sorted(ranks, key=ranks.__getitem__)]
+    runs = [a for a, b in pairwise(order) if a != b] + order[-1:]
+    return len(runs) == len(set(runs))
+
+
+def test_ranks_follow_switches_and_a_replacement_joins_its_switch(tmp_path, resume_nodes):
+    """3 nodes and a spare (the whole cluster), ``rendezvous.backend: topology``: each node
+    carries its host's leaf switch, from Slurm (``scontrol show topology``), in the round's
+    event and in ``planaria status``; the ranks are grouped by switch. The node on the spare's
+    switch (not the batch host's) is set down: the replacement goes to the spare, on that
+    switch, and takes the lost node's rank; the survivors keep theirs."""
+    job_id, agents = submit_and_pause(tmp_path, nodes=3, sets=["rendezvous.backend=topology"])
+    host_of = {name.rsplit(".", 1)[1]: host for name, (_, host) in agents.items()}
+    assert len(host_of) == 3, agents
+    rounds = [e for e in job_events(tmp_path) if e["kind"] == "rendezvous_completed"]
+    first = rounds[0]["data"]
+    assert first["topology"] == {n: {"switch": SWITCH[host_of[n]]} for n in first["ranks"]}
+    switch_of = {n: SWITCH[h] for n, h in host_of.items()}
+    assert grouped(first["ranks"], switch_of), (first["ranks"], switch_of)
+
+    (run_dir,) = tmp_path.glob("planaria-runs/*")
+    shown = run_planaria(tmp_path, "status", str(run_dir), "--json")
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    nodes = json.loads(shown.stdout)["nodes"]
+    assert {n["node_id"]: n["topology"] for n in nodes} == {
+        n: {"switch": s} for n, s in switch_of.items()
+    }
+    text = run_planaria(tmp_path, "status", str(run_dir)).stdout
+    assert all(
+        f"switch={switch_of[n]}" in next(line for line in text.splitlines() if n + " " in line)
+        for n in switch_of
+    ), text
+
+    allocated = slurm(
+        "scontrol",
+        "show",
+        "hostnames",
+        slurm("squeue", "-h", "-j", job_id, "-o", "%N").stdout.strip(),
+    ).stdout.split()
+    (spare,) = set(allocated) - set(host_of.values())
+    batch_host = slurm("squeue", "-h", "-j", job_id, "-o", "%B").stdout.strip()
+    victims = [
+        n
+        for n in sorted(first["ranks"])
+        if SWITCH[host_of[n]] == SWITCH[spare] and host_of[n] != batch_host
+    ]
+    if not victims:
+        pytest.fail(f"no node shares spare {spare}'s switch but the batch host's: {host_of}")
+    victim = victims[0]
+    host = host_of[victim]
+    leftovers: list[str] = []
+    resume_nodes.append((host, leftovers))
+    slurm("scontrol", "update", f"nodename={host}", "state=down", "reason=planaria test")
+    output = finish(tmp_path, job_id)
+    assert "succeeded" in output, output
+    leftovers += [run_dir.name, victim]
+
+    timeline = job_events(tmp_path)
+    (replaced,) = [e for e in timeline if e["kind"] == "node_replaced"]
+    assert replaced["data"]["replacement_host"] == spare, replaced
+    replacement = replaced["data"]["replacement"]
+    after = [e for e in timeline if e["kind"] == "rendezvous_completed"][-1]["data"]
+    survivors = {n: r for n, r in first["ranks"].items() if n != victim}
+    assert {n: after["ranks"][n] for n in survivors} == survivors, after
+    assert after["ranks"][replacement] == first["ranks"][victim], after
+    assert (
+        after["topology"][replacement] == {"switch": SWITCH[spare]} == {"switch": switch_of[victim]}
+    )
+    assert grouped(after["ranks"], {**switch_of, replacement: SWITCH[spare]}), after

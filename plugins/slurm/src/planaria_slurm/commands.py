@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +49,14 @@ def run(
     with its stderr when it fails (``check``), :class:`SlurmMissingError` when it is not
     installed. Short-lived and bounded by ``timeout``, so it needs no death signal; its group is
     killed on timeout."""
+    return run_both(args, timeout=timeout, check=check, cwd=cwd)[0]
+
+
+def run_both(
+    args: Sequence[str], *, timeout: float = TIMEOUT, check: bool = True, cwd: Path | None = None
+) -> tuple[str, str]:
+    """:func:`run`, with stderr too: some commands say what they have not only there, and
+    exit 0 (``scontrol show topology`` on a cluster without a topology plugin)."""
     argv = list(args)
     try:
         proc = process.popen(
@@ -80,7 +88,7 @@ def run(
         raise SlurmCommandError(
             f"{' '.join(argv)} failed (exit {proc.returncode}): {message or 'no message'}"
         )
-    return str(stdout)
+    return str(stdout), str(stderr)
 
 
 @dataclass(frozen=True)
@@ -186,3 +194,67 @@ def job_nodes(job_id: str) -> list[str]:
             f"Slurm job {job_id} is {state.lower()}, not running: its nodes are not allocated yet"
         )
     return hostnames(nodelist)
+
+
+NO_TOPOLOGY = "No topology information available"
+"""What ``scontrol show topology`` says (on stderr, exit 0) where no topology plugin is
+configured: no node has a label then, and that is no error."""
+
+
+@dataclass(frozen=True)
+class TopologyGroup:
+    """A leaf switch (topology/tree) or a block (topology/block), as ``scontrol show
+    topology`` lists it."""
+
+    label: str
+    """The label it gives its nodes: ``switch`` or ``block``."""
+    name: str
+    nodes: str
+    """Its nodes as a Slurm hostlist expression (``node[1-2]``): :func:`hostnames` expands it."""
+
+
+def parse_topology(stdout: str, stderr: str = "") -> list[TopologyGroup]:
+    """``scontrol show topology`` -> the groups nodes are labelled with: the leaf switches
+    (``SwitchName=s1 Level=0 ... Nodes=node[1-2]``; a switch of a higher level joins leaf
+    switches and labels no node) and the blocks (``BlockName=b1 BlockIndex=0
+    Nodes=node[1-4] BlockSize=4``). No topology plugin (:data:`NO_TOPOLOGY`): none. Anything
+    else on stderr with nothing on stdout is an error, with scontrol's message."""
+    groups: list[TopologyGroup] = []
+    for line in stdout.splitlines():
+        fields = dict(part.split("=", 1) for part in line.split() if "=" in part and part[0] != "=")
+        nodes = fields.get("Nodes", "")
+        if not nodes or nodes == "(null)":
+            continue
+        if fields.get("SwitchName") and fields.get("Level", "0") == "0":
+            groups.append(TopologyGroup("switch", fields["SwitchName"], nodes))
+        elif fields.get("BlockName"):
+            groups.append(TopologyGroup("block", fields["BlockName"], nodes))
+    message = " ".join(line.strip() for line in stderr.splitlines() if line.strip())
+    if not groups and not stdout.strip() and message and NO_TOPOLOGY not in message:
+        raise SlurmCommandError(f"scontrol show topology failed: {message}")
+    return groups
+
+
+def topology_labels(
+    groups: Sequence[TopologyGroup], names: Sequence[str], expand: Callable[[str], list[str]]
+) -> dict[str, dict[str, str]]:
+    """Node name -> its labels (``{"switch": "s1"}``), for the nodes in ``names`` only; a
+    node in two groups of one label keeps the first. ``expand`` turns a hostlist expression
+    into node names (:func:`hostnames`, one ``scontrol show hostnames`` a group)."""
+    wanted = set(names)
+    labels: dict[str, dict[str, str]] = {}
+    for group in groups:
+        for node in expand(group.nodes):
+            if node in wanted:
+                labels.setdefault(node, {}).setdefault(group.label, group.name)
+    return labels
+
+
+def node_topology(names: Sequence[str]) -> dict[str, dict[str, str]]:
+    """Where Slurm's topology plugin puts each of ``names``: its leaf switch (``switch``)
+    or block (``block``); none without a topology plugin. One ``scontrol show topology``,
+    and one ``scontrol show hostnames`` a group."""
+    if not names:
+        return {}
+    groups = parse_topology(*run_both(["scontrol", "show", "topology"]))
+    return topology_labels(groups, names, hostnames)

@@ -15,7 +15,9 @@ through the environment (srun exports it), never a command line.
 
 The scheduler engine (:mod:`planaria.scheduler.engine`) keeps the nodes, their ids and
 events, the excluded hosts and the one-thread rule; this module places nodes on the
-allocation's hosts and starts, watches and stops their steps.
+allocation's hosts and starts, watches and stops their steps. Each node's handle carries
+its host's leaf switch (or block) from Slurm's topology plugin, read once per allocation
+(:func:`planaria_slurm.commands.node_topology`), for a topology rank placement.
 
 Why one module: it is one backend of the engine, and the step's life (placed on a host of the
 allocation, started, watched, stopped) is one idea; the Slurm facts it relies on (what a
@@ -170,6 +172,8 @@ class SlurmScheduler(EngineScheduler[SlurmOptions, _Step]):
         self._background: list[subprocess.Popen[Any]] = []
         self._used: dict[str, set[str]] = {}
         """Host -> the (run id, node id) ... of every node that ran there: cleaned at stop."""
+        self._topology: dict[str, dict[str, str]] = {}
+        """Host -> its topology labels (``switch``, ``block``), read once for the allocation."""
 
     def node_addresses(self) -> list[str]:
         """Where Slurm reaches the allocation's nodes (their ``NodeAddr``); none outside an
@@ -202,12 +206,31 @@ class SlurmScheduler(EngineScheduler[SlurmOptions, _Step]):
             )
         self._pool = commands.job_nodes(job_id)
         self._job_id = job_id
+        self._topology = self._read_topology()
         for host, why in state.load(self.options.state_dir).items():
             if host in self._pool:
                 # Remembered (and drained, with `drain`) by that run: not reported again.
                 self.keep_excluded([host], why)
                 log.warning("node excluded: found bad by an earlier run", host=host, why=why)
         self._watch()
+
+    def _read_topology(self) -> dict[str, dict[str, str]]:
+        """Where the topology plugin puts the allocation's nodes (their leaf switch or
+        block), asked once: a node's place in the network does not change while the
+        allocation holds it. A Slurm that cannot say costs the labels, not the job."""
+        try:
+            labels = commands.node_topology(self._pool)
+        except SchedulerError as exc:
+            log.warning("cannot read the cluster's topology; nodes get no labels", error=str(exc))
+            return {}
+        if labels:
+            log.info("topology read", nodes=len(labels))
+        return labels
+
+    def handle_topology(self, node: _SlurmNode) -> dict[str, str]:
+        """The node's host's labels from Slurm's topology plugin (``{"switch": "s1"}``);
+        none without one."""
+        return dict(self._topology.get(node.host, {}))
 
     def _watch(self) -> None:
         assert self._job_id is not None
