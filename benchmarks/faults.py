@@ -331,6 +331,32 @@ def agent_sigkill_standby(suite: Suite) -> Row:
     )
 
 
+def agent_sigkill_replica(suite: Suite) -> Row:
+    outcome = suite.run(
+        "agent-sigkill-replica",
+        job={"standby": 1},
+        checkpoint={"replica": {}},
+        chaos=[{"kind": "kill_node", "node_rank": 1, "at_step": FAULT_AT}],
+    )
+    rounds = outcome.of("rendezvous_completed")
+    last = rounds[-1]["data"] if rounds else {}
+    from_replica = str(last.get("restore", "")).startswith("memory:") and str(
+        last.get("restore_why", "")
+    ).endswith(": replicas)")
+    return suite.row(
+        "agent-sigkill-replica",
+        outcome,
+        [
+            (faults(outcome, "node_lost"), "no node loss detected"),
+            (last.get("from_standby"), "no node standing by took the lost node's place"),
+            (from_replica, f"not restored from the replica: {last.get('restore_why', '-')}"),
+            (outcome.of("recovered"), "no recovery"),
+        ],
+        "as agent-sigkill-standby, with checkpoint.replica: the lost node's ranks fetched from "
+        f"the survivor's replica; restored from {restored(outcome)}",
+    )
+
+
 def resume_available(suite: Suite) -> bool:
     """Whether ``planaria run`` here can re-adopt a job (``--resume RUN_DIR``)."""
     help_ = subprocess.run(
@@ -703,6 +729,10 @@ FAULTS: dict[str, tuple[Callable[[Suite], Row], str]] = {
     "agent-sigkill-standby": (
         agent_sigkill_standby,
         "the same node loss with a node standing by (job.standby 1)",
+    ),
+    "agent-sigkill-replica": (
+        agent_sigkill_replica,
+        "the same with a peer replica: the lost ranks restore from memory (checkpoint.replica)",
     ),
     "master-sigkill": (master_sigkill, "SIGKILL the master, then planaria run --resume"),
     "persister-sigkill": (persister_sigkill, "SIGKILL a persister while it writes a shard"),

@@ -239,10 +239,14 @@ def kill_local_node(node_id: str) -> bool:
 
 
 def interleave(
-    count: int, runners: dict[str, Callable[[Path], TrialResult]], sweeper: leftovers.Sweeper
+    count: int,
+    runners: dict[str, Callable[[Path], TrialResult]],
+    sweeper: leftovers.Sweeper,
+    figure: str = "MTTR",
 ) -> dict[str, list[TrialResult]]:
     """``count`` trials of each runner, interleaved (machine drift hits all alike), each in a
-    work directory of its own and swept after it; each printed as it ends."""
+    work directory of its own and swept after it; each printed as it ends, its ``mttr`` named
+    ``figure`` (a runner may measure another time, a step's)."""
     trials: dict[str, list[TrialResult]] = {name: [] for name in runners}
     width = max(len(name) for name in runners) + 2
     for trial in range(count):
@@ -257,7 +261,8 @@ def interleave(
             shown = f"{result.mttr:.2f}s" if result.ok and result.mttr is not None else "failed"
             note = f"  {result.note}" if not result.ok and result.note else ""
             print(
-                f"trial {trial + 1}: {name:<{width}} MTTR {shown}  (wall {result.wall:.1f}s){note}",
+                f"trial {trial + 1}: {name:<{width}} {figure} {shown}  (wall {result.wall:.1f}s)"
+                f"{note}",
                 flush=True,
             )
     return trials

@@ -13,15 +13,18 @@ The node lost under planaria is the one of node rank 1 (the timeline's round say
   torch import) and the next round waits for it.
 - ``planaria standby``: the same job with ``job.standby: 1``: a third node stood by, warm, and
   takes the lost node's place as soon as the next round opens; the replacement refills the pool.
+- ``planaria replica`` and ``planaria standby+replica``: the same with ``checkpoint.replica``:
+  node 0 keeps a copy of node 1's newest saved step, and the node that takes node 1's rank
+  fetches it, so its ranks restore from memory instead of storage (0 steps redone).
 - ``torchrun``: two ``torchrun --nnodes 2`` launchers (c10d rendezvous on node 0's launcher,
   ``--max-restarts 3``); node 1's launcher and workers are SIGKILLed and a new launcher for node
   1 is started at once, as a scheduler that restarts a lost node would (the best case for it).
 
 MTTR: from the kill to the first step rank 0 logs after it resumed; steps redone: the steps rank
-0 had done by then that it did again (all three restore the lost node's ranks from storage, so
-up to ``--ckpt-every`` - 1). The ratio column is each figure over torchrun's, in the same run.
-Trials are interleaved; every trial's processes carry a marker of their own and are swept after
-it (``left_behind`` in the JSON).
+0 had done by then that it did again (without a replica the lost node's ranks restore from
+storage, so up to ``--ckpt-every`` - 1). The ratio column is each figure over torchrun's, in the
+same run. Trials are interleaved; every trial's processes carry a marker of their own and are
+swept after it (``left_behind`` in the JSON).
 
     python benchmarks/recovery.py --node-loss [--trials 3] [--steps 60] [--kill-at 30]
 """
@@ -63,7 +66,9 @@ NODE = "BENCH_TORCHRUN_NODE"
 """Marks the processes of each torchrun launcher by its node (0 or 1)."""
 
 
-def run_planaria(args: argparse.Namespace, work: Path, standby: int) -> TrialResult:
+def run_planaria(
+    args: argparse.Namespace, work: Path, standby: int, replica: bool = False
+) -> TrialResult:
     config = {
         "job": {
             "name": "bench",
@@ -75,6 +80,7 @@ def run_planaria(args: argparse.Namespace, work: Path, standby: int) -> TrialRes
         },
         "diagnosis": {"checks": []},
         "master": {"heartbeat_interval": "1s", "heartbeat_timeout": "15s"},
+        "checkpoint": {"replica": {}} if replica else {},
     }
     (work / "job.yaml").write_text(json.dumps(config))
 
@@ -174,6 +180,8 @@ def main(args: argparse.Namespace) -> None:
         runners: dict[str, Callable[[Path], TrialResult]] = {
             "planaria": lambda w: run_planaria(args, w, standby=0),
             "planaria standby": lambda w: run_planaria(args, w, standby=1),
+            "planaria replica": lambda w: run_planaria(args, w, standby=0, replica=True),
+            "planaria standby+replica": lambda w: run_planaria(args, w, standby=1, replica=True),
             "torchrun": lambda w: run_torchrun(args, w),
         }
         trials = interleave(args.trials, runners, sweeper)
@@ -188,7 +196,7 @@ def main(args: argparse.Namespace) -> None:
             mttr = "failed" if found["mttr"] is None else f"{found['mttr']:.2f}s"
             times = "-" if shown is None else f"{shown:.2f}"
             print(
-                f"{name:<18} MTTR {mttr:>7}  steps redone {found['steps_lost']}  x torchrun {times}"
+                f"{name:<26} MTTR {mttr:>7}  steps redone {found['steps_lost']}  x torchrun {times}"
             )
             result |= {
                 f"{key}_mttr_s": found["mttr"],

@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ["recovery", "checkpoint", "faults", "control_plane", "events_scale", "goodput_sim"]
+SCRIPTS = [
+    "recovery",
+    "checkpoint",
+    "faults",
+    "control_plane",
+    "events_scale",
+    "goodput_sim",
+    "replica_cost",
+]
 """The benchmarks this environment can start (the others need a plugin's environment)."""
 
 
@@ -87,8 +95,8 @@ def test_the_fault_table_shows_no_ratio_for_a_runner_that_never_recovered(
     assert harness.ratio(2.0, 0.0) is None and harness.ratio(None, 1.0) is None
 
 
-@pytest.mark.slow  # three runs of a 24-step job with a node lost in each
-def test_the_node_loss_benchmark_measures_all_three_and_leaves_nothing(tmp_path: Path) -> None:
+@pytest.mark.slow  # five runs of a 24-step job with a node lost in each
+def test_the_node_loss_benchmark_measures_every_row_and_leaves_nothing(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "recovery.py"), "--node-loss",
@@ -98,11 +106,24 @@ def test_the_node_loss_benchmark_measures_all_three_and_leaves_nothing(tmp_path:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["fault"] == "node_loss" and result["left_behind"] == 0, result
-    for name in ("planaria", "planaria_standby"):
-        # Recovered, redoing at most the steps since the last persist (every 4).
+    rows = ("planaria", "planaria_standby", "planaria_replica", "planaria_standby+replica")
+    for name in rows:
+        # Recovered, redoing at most the steps since the last persist (every 4); with a
+        # replica, at most the step the lost node's last copy may lag by.
         assert result[f"{name}_failed"] == 0, proc.stdout[-3000:]
         assert isinstance(result[f"{name}_mttr_s"], float) and result[f"{name}_mttr_s"] > 0
-        assert 0 <= result[f"{name}_steps_redone"] <= 4, result
+        most = 1 if "replica" in name else 4
+        assert 0 <= result[f"{name}_steps_redone"] <= most, result
     # torchrun's figure is the baseline: there, or a failure the table names.
     assert (result["torchrun_failed"] == 0) == isinstance(result["torchrun_mttr_s"], float)
     assert "node loss: SIGKILL of every process of node 1" in proc.stdout
+
+
+def test_the_replica_cost_reads_step_times_and_copies_a_step_to_a_buddy(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    replica_cost = importlib.import_module("benchmarks.replica_cost")
+    log = "\n".join(f"step {s} loss 1.0 time {100 + s * 0.5 + (s % 2) * 0.1:.6f}" for s in range(6))
+    times = replica_cost.step_times(log + "\nresumed from step 3 (memory)\n", skip=2)
+    assert times == pytest.approx([0.6, 0.4, 0.6])  # steps 2-3, 3-4, 4-5
+    copied = replica_cost.copy_cost(gib=4 / 1024, copies=2)  # 4 MiB, twice, over loopback
+    assert copied["copy_s"] > 0 and copied["copy_cpu_s"] >= 0

@@ -115,7 +115,8 @@ def test_list_names_every_row_and_an_unknown_name_is_refused_with_the_choices() 
     listed = faults("--list", timeout=60)
     assert listed.returncode == 0, listed.stderr
     names = [line.split()[0] for line in listed.stdout.splitlines()]
-    assert len(names) == 13 and "worker-sigkill" in names and "agent-sigkill-standby" in names
+    assert len(names) == 14 and "worker-sigkill" in names and "agent-sigkill-standby" in names
+    assert "agent-sigkill-replica" in names
     bad = faults("--only", "worker-sigkill,no-such-fault", timeout=60)
     assert bad.returncode != 0
     assert "unknown fault(s) no-such-fault" in bad.stderr and "worker-sigkill" in bad.stderr
