@@ -201,3 +201,37 @@ def test_an_unreachable_buddy_is_retried_without_stopping_the_sender(tmp_path, b
     finally:
         sender.close()
         own.close()
+
+
+def test_a_replica_the_new_ring_no_longer_feeds_is_dropped_after_the_grace(
+    tmp_path, buddy, monkeypatch
+):
+    import planaria.checkpoint.replica as replica
+
+    segments = {}
+    for rank in (0, 1):
+        segments[rank] = Segment.create(tmp_path / f"ckpt-{rank}", 1 << 16)
+        _save(segments[rank], 5, rank=rank, world=2, fill=rank + 1, size=100)
+    sender = ReplicaSender(lambda lr: tmp_path / f"ckpt-{lr}", 1, TOKEN, "node-a")
+    try:
+        sender.target(_endpoint(buddy), 1)  # round 1: this node keeps rank 0's replica
+        wait_for("rank 0's replica", lambda: buddy.holdings(), timeout=10)
+        # Round 2: the ring changed, rank 1's node sends here now (rank 0's goes elsewhere).
+        monkeypatch.setattr(replica, "STALE_AFTER", 0.0)
+        buddy.round = 2
+        other = ReplicaSender(lambda lr: tmp_path / f"ckpt-{lr + 1}", 1, TOKEN, "node-b")
+        try:
+            sender.target(None, 2)
+            other.target(_endpoint(buddy), 2)
+            wait_for(
+                "rank 0's replica dropped, rank 1's kept",
+                lambda: [h.rank for h in buddy.holdings()] == [1],
+                timeout=10,
+            )
+        finally:
+            other.close()
+        assert not buddy.path(0).exists() and buddy.path(1).exists()
+    finally:
+        sender.close()
+        for segment in segments.values():
+            segment.close()

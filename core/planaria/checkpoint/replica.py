@@ -202,16 +202,26 @@ def _connect(endpoint: ReplicaEndpoint, token: str, request: dict[str, Any]) -> 
 # -- the server (the buddy's side) ---------------------------------------------------------------
 
 
+STALE_AFTER = 30.0
+"""Seconds into a round after which a replica no copy of the round refreshed is dropped."""
+
+
 class ReplicaServer:
     """Keeps peers' replicas in this node's shared memory and hands them to a replacement.
 
     ``round``: the node's current round, set by its agent; copies from older rounds are
-    refused (fencing)."""
+    refused (fencing). A replica the new round's ring no longer feeds (its rank's node now has
+    another buddy) only grows stale: once a copy of the new round arrived and ``STALE_AFTER``
+    seconds passed (a replacement fetches at the round's start), it is dropped, so that a
+    node keeps the replicas of one ring, not of every ring the job had."""
 
     def __init__(self, directory: Path, token: str, host: str) -> None:
         self.directory = directory
         self._token = token
-        self.round = -1
+        self._round = -1
+        self._round_started = time.monotonic()
+        self._fed: dict[int, int] = {}
+        """Rank -> the round of its last copy."""
         self._listener = socket.create_server((host, 0))
         self.port: int = self._listener.getsockname()[1]
         self._segments: dict[int, Segment] = {}
@@ -224,6 +234,33 @@ class ReplicaServer:
 
     def path(self, rank: int) -> Path:
         return self.directory / f"replica-{rank}"
+
+    @property
+    def round(self) -> int:
+        return self._round
+
+    @round.setter
+    def round(self, value: int) -> None:
+        if value != self._round:
+            self._round, self._round_started = value, time.monotonic()
+
+    def _drop_stale(self) -> None:
+        """Drop the replicas no copy of this round refreshed, once ``STALE_AFTER`` passed."""
+        if time.monotonic() - self._round_started < STALE_AFTER:
+            return
+        with self._lock:
+            stale = [r for r, fed in self._fed.items() if fed < self._round]
+        for rank in stale:
+            with self._rank_lock(rank):
+                if self._fed.get(rank, self._round) >= self._round:
+                    continue
+                segment = self._segments.pop(rank, None)
+                self._fed.pop(rank, None)
+                self._sources.pop(rank, None)
+                if segment is not None:
+                    segment.close()
+                    segment.unlink()
+                log.info("dropped a replica the ring no longer feeds", rank=rank)
 
     def close(self) -> None:
         self._closed.set()
@@ -332,7 +369,9 @@ class ReplicaServer:
                 ready=lambda: _send(sock, {"ok": True}),
             )
             self._sources[rank] = source
+            self._fed[rank] = round_
         _send(sock, {"ok": True, "step": step})
+        self._drop_stale()
 
     def _segment(self, rank: int, capacity: int) -> Segment:
         """Rank ``rank``'s replica segment, made (again) when it cannot hold ``capacity``."""
