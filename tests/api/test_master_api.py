@@ -10,6 +10,7 @@ import pytest
 from planaria.master import job as job_module
 from planaria.master.runner import join_hold
 from planaria.master.state import JobState
+from planaria.protocol import CheckpointSpec, ReplicaSpec
 from support.master import AUTH, TOKEN, with_master
 
 
@@ -435,3 +436,82 @@ def test_a_node_standing_by_is_held_until_the_next_round_opens_and_then_joins_it
         assert [e.data.get("from_standby") for e in formed] == [None, ["node-2"]]
 
     asyncio.run(with_master(tmp_path, body, standby=1))
+
+
+def test_a_replica_is_planned_for_a_node_that_lost_its_memory_and_not_again_once_it_failed(
+    tmp_path,
+):
+    """Two nodes of two ranks with peer replicas: each round names each node's buddy (the
+    other). A round after node-1 lost its memory plans memory, node-1 fetching ranks 2 and 3
+    from the replica node-0 keeps; node-1's report that the fetch failed restarts the round, and
+    the next plans storage (that replica is not planned from again)."""
+    replica = CheckpointSpec(storage={"backend": "local"}, replica=ReplicaSpec())
+
+    async def body(master, session, url):
+        async def post(path: str, data: dict) -> dict:
+            async with session.post(url + path, json=data, headers=AUTH) as r:
+                assert r.status == 200, await r.text()
+                return await r.json()
+
+        for i in range(2):
+            reg = {"node_id": f"node-{i}", "host": f"local-{i}", "addr": f"10.0.0.{i}", "pid": 1}
+            await post("/register", reg)
+
+        def holding(local_rank: int, rank: int) -> dict:
+            return {"local_rank": local_rank, "rank": rank, "world": 4, "steps": [6, 5]}
+
+        async def form_round(memory: bool) -> dict[str, dict]:
+            def request(i: int) -> dict:
+                own = [holding(0, 2 * i), holding(1, 2 * i + 1)] if memory or i == 0 else []
+                other = 1 - i
+                kept = [{"rank": 2 * other + k, "world": 4, "steps": [5], "source": f"node-{other}"}
+                        for k in range(2)]  # fmt: skip
+                return {"node_id": f"node-{i}", "addr": f"10.0.0.{i}", "port": 40000 + i,
+                        "memory": own, "replica_port": 41000 + i, "replicas": kept}  # fmt: skip
+
+            replies = await asyncio.gather(
+                *(post("/rendezvous/join", request(i)) for i in range(2))
+            )
+            assert [r["state"] for r in replies] == ["ready", "ready"]
+            return {f"node-{i}": r for i, r in enumerate(replies)}
+
+        def failed(round_: int, fetch: dict | None) -> dict:
+            failure = {
+                "local_rank": 0, "rank": 2, "pid": 1, "exitcode": 1, "signal": None,
+                "time": time.time(), "log_tail": "", "description": "failed",
+                "replica_error": fetch,
+            }  # fmt: skip
+            return {"node_id": "node-1", "round": round_, "succeeded": False, "failure": failure}
+
+        first = await form_round(memory=True)
+        assert first["node-0"]["directives"]["replica_to"] == {
+            "node_id": "node-1", "addr": "10.0.0.1", "port": 41001
+        }  # fmt: skip
+        assert first["node-1"]["directives"]["replica_to"]["node_id"] == "node-0"
+        assert first["node-0"]["directives"]["restore"] == "memory:6"  # its own memory
+        assert first["node-1"]["directives"]["fetch"] == []
+
+        await post("/workers", failed(1, None))
+        second = await form_round(memory=False)  # node-1's memory is gone
+        directives = second["node-1"]["directives"]
+        assert directives["restore"] == "memory:5"
+        holder = {"node_id": "node-0", "addr": "10.0.0.0", "port": 41000}
+        assert directives["fetch"] == [
+            {"local_rank": k, "rank": 2 + k, "world": 4, "step": 5, "holder": holder}
+            for k in range(2)
+        ]
+        assert second["node-0"]["directives"]["fetch"] == []
+
+        await post("/workers", failed(2, directives["fetch"][0]))
+        third = await form_round(memory=False)
+        assert third["node-1"]["directives"]["restore"] == "storage"
+        assert third["node-1"]["directives"]["fetch"] == []
+        rounds = [e for e in master.timeline.events if e.kind.value == "rendezvous_completed"]
+        assert rounds[-1].data["restore_why"] == "rank 2 (node-1) holds no step in memory"
+        assert (
+            rounds[-2]
+            .data["restore_why"]
+            .endswith("(rank 2 from node-0, rank 3 from node-0: replicas)")
+        )
+
+    asyncio.run(with_master(tmp_path, body, max_restarts=3, checkpoint=replica))

@@ -7,6 +7,7 @@ import asyncio
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -14,7 +15,7 @@ from planaria.master.job import Master
 from planaria.master.runner import supervise
 from planaria.master.server import ServerLimits, make_app, serve
 from planaria.master.state import JobSettings
-from planaria.protocol import API_PREFIX, JobSpec
+from planaria.protocol import API_PREFIX, CheckpointSpec, JobSpec
 from planaria.scheduler.api import LaunchSpec
 from planaria.scheduler.local import LocalOptions, LocalScheduler
 
@@ -22,7 +23,12 @@ TOKEN = "s3cret-token"
 
 
 def settings(
-    tmp_path: Path, nodes: int = 2, heartbeat_timeout: float = 30, standby: int = 0
+    tmp_path: Path,
+    nodes: int = 2,
+    heartbeat_timeout: float = 30,
+    standby: int = 0,
+    max_restarts: int = 1,
+    checkpoint: CheckpointSpec | None = None,
 ) -> JobSettings:
     spec = JobSpec(
         job="api",
@@ -32,7 +38,8 @@ def settings(
         workdir=str(tmp_path),
         env={},
         procs_per_node=2,
-        max_restarts=1,
+        max_restarts=max_restarts,
+        checkpoint=checkpoint,
         heartbeat_interval=0.5,
         heartbeat_timeout=heartbeat_timeout,
         stop_grace=1,
@@ -58,9 +65,11 @@ async def with_master(
     join_hold: float = 5.0,
     hold: float = 0.2,
     standby: int = 0,
+    **job: Any,
 ) -> None:
-    """A master whose nodes never call back: ``body(master, session, url)`` plays the agents."""
-    job_settings = settings(tmp_path, heartbeat_timeout=heartbeat_timeout, standby=standby)
+    """A master whose nodes never call back: ``body(master, session, url)`` plays the agents;
+    ``job``: more of :func:`settings`' arguments."""
+    job_settings = settings(tmp_path, heartbeat_timeout=heartbeat_timeout, standby=standby, **job)
     master = Master(job_settings, LocalScheduler(LocalOptions()), tmp_path)
     app = make_app(master, TOKEN, hold=hold, limits=limits, join_hold=join_hold)
     runner, port = await serve(app, "127.0.0.1", 0)

@@ -102,9 +102,12 @@ class Diagnosis:
             detail = text if each is failure else detail
         crashes: tuple[Crash, ...] = ()
         if report.last_step < 0:  # none of the node's workers completed a step in the round
+            # A replica that could not be fetched is no error of the workers (they never
+            # started): the next round goes without it, and it is no crash loop's.
             crashes = tuple(
                 Crash(f.rank, last_words(f), report.round, signal=signal_name(f.signal))
                 for f in failures
+                if f.replica_error is None
             )
         if not current and verdict.kind is not FaultClass.NODE and not crashes:
             return
