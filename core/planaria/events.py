@@ -358,6 +358,9 @@ class RendezvousCompleted(Payload):
     from_standby: list[str] | None = None
     """Members that stood by, warm, until this round (``job.standby``): a lost node's place
     taken without a scheduler round trip."""
+    store: str | None = None
+    """``host:port`` of the round's store when the master's host serves it
+    (``rendezvous.store: master``); absent: the worker of rank 0 hosts it."""
 
 
 # -- checkpoints --------------------------------------------------------------------------

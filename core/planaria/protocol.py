@@ -133,6 +133,10 @@ class RendezvousInfo(Message):
     world_size: int
     master_addr: str
     master_port: int
+    agent_store: bool = False
+    """Whether the store at ``master_addr:master_port`` serves already, hosted off the workers
+    (``rendezvous.store: master``): every worker connects to it as a client. False: the
+    worker of global rank 0 hosts it, on the node of rank 0's address."""
 
 
 class JoinRequest(Message):
