@@ -156,11 +156,12 @@ def _watch(parent: int) -> None:
 def _new_store() -> Any:
     from datetime import timedelta
 
-    from torch.distributed import TCPStore
+    import torch.distributed as dist
 
     # Port 0: the kernel gives a free port, bound at once (no window for another to take it).
     # The host's own client connects on loopback; the server listens on every interface.
-    return TCPStore(
+    # torch.distributed imports TCPStore from its extension without naming it in __all__.
+    return dist.TCPStore(  # type: ignore[attr-defined]
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
     )
 
