@@ -246,6 +246,14 @@ def main() -> None:
         default=["rank0"],
         help="--node-loss: rendezvous.store of the planaria rows, a row each (rank0)",
     )
+    parser.add_argument(
+        "--standby",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="--node-loss: job.standby of the planaria rows, a row each (0; a row of rank 1, "
+        "rank0 and 1 node standing by always runs)",
+    )
     args = parser.parse_args()
     on_device = args.device != "cpu"
     if args.cpu_dry_run and not on_device:

@@ -10,8 +10,9 @@ under torchrun, node 1's launcher and its workers).
 The node lost under planaria is the one of node rank 1 (the timeline's round says which), or
 of each rank ``--kill-rank`` names; ``--store`` names where the workers' store is
 (``rendezvous.store``): ``rank0``, the worker of rank 0 hosts it (the default), ``master``, a
-process beside the master does. One row for each rank and store: losing rank 0's node under
-``rank0`` loses the store too, and the next round waits for a new rank 0 to host one.
+process beside the master does; ``--standby`` how many nodes stand by (``job.standby``). One
+row for each rank, store and standby count: losing rank 0's node under ``rank0`` loses the
+store too, and the next round waits for a new rank 0 to host one.
 
 - ``planaria``: the local scheduler replaces the node (a cold start: a new agent, Python and the
   torch import) and the next round waits for it.
@@ -28,7 +29,7 @@ Trials are interleaved; every trial's processes carry a marker of their own and 
 it (``left_behind`` in the JSON).
 
     python benchmarks/recovery.py --node-loss [--trials 3] [--steps 60] [--kill-at 30]
-        [--kill-rank 0 1] [--store rank0 master]
+        [--kill-rank 0 1] [--store rank0 master] [--standby 0 1]
 """
 
 from __future__ import annotations
@@ -68,14 +69,20 @@ NODE = "BENCH_TORCHRUN_NODE"
 """Marks the processes of each torchrun launcher by its node (0 or 1)."""
 
 
-def rows(kill_ranks: list[int], stores: list[str]) -> list[tuple[str, int, str]]:
-    """The planaria rows: (name, node rank lost, ``rendezvous.store``) for each rank and
-    store; the default (rank 1, ``rank0``) is the row named ``planaria``."""
+def rows(
+    kill_ranks: list[int], stores: list[str], standby: list[int] | None = None
+) -> list[tuple[str, int, str, int]]:
+    """The planaria rows: (name, node rank lost, ``rendezvous.store``, ``job.standby``) for
+    each of them; rank 1 under ``rank0`` is the row named ``planaria`` (``planaria standby``
+    with nodes standing by), the others name their rank and store."""
     found = []
-    for rank in dict.fromkeys(kill_ranks):
-        for store in dict.fromkeys(stores):
-            name = "planaria" if (rank, store) == (1, "rank0") else f"planaria r{rank} {store}"
-            found.append((name, rank, store))
+    for spare in dict.fromkeys(standby or [0]):
+        for rank in dict.fromkeys(kill_ranks):
+            for store in dict.fromkeys(stores):
+                name = "planaria standby" if spare else "planaria"
+                if (rank, store) != (1, "rank0"):
+                    name += f" r{rank} {store}"
+                found.append((name, rank, store, spare))
     return found
 
 
@@ -113,8 +120,10 @@ def run_planaria(
     return measure_fault(rank0_log(work), struck, ok, time.time() - started, note_of(ok, output))
 
 
-def _planaria(args: argparse.Namespace, rank: int, store: str) -> Callable[[Path], TrialResult]:
-    return lambda w: run_planaria(args, w, standby=0, kill_rank=rank, store=store)
+def _planaria(
+    args: argparse.Namespace, rank: int, store: str, standby: int
+) -> Callable[[Path], TrialResult]:
+    return lambda w: run_planaria(args, w, standby=standby, kill_rank=rank, store=store)
 
 
 def _node_of_rank(work: Path, rank: int) -> str | None:
@@ -196,19 +205,17 @@ def _rank0(work: Path) -> str:
 def main(args: argparse.Namespace) -> None:
     with leftovers.Sweeper() as sweeper:  # checks at the end even if the benchmark fails
         runners: dict[str, Callable[[Path], TrialResult]] = {
-            name: _planaria(args, rank, store)
-            for name, rank, store in rows(args.kill_rank, args.store)
+            name: _planaria(args, rank, store, spare)
+            for name, rank, store, spare in rows(args.kill_rank, args.store, args.standby)
         }
-        runners |= {
-            "planaria standby": lambda w: run_planaria(args, w, standby=1),
-            "torchrun": lambda w: run_torchrun(args, w),
-        }
+        runners.setdefault("planaria standby", _planaria(args, 1, "rank0", 1))
+        runners["torchrun"] = lambda w: run_torchrun(args, w)
         trials = interleave(args.trials, runners, sweeper)
         figures = {name: summarise(name, found) for name, found in trials.items()}
         print()
         print(
-            "node loss: SIGKILL of every process of node 1 (rows 'planaria rR STORE': of node "
-            "rank R, rendezvous.store STORE), torchrun's node 1 started again"
+            "node loss: SIGKILL of every process of node 1 (rows '... rR STORE': of node rank "
+            "R, rendezvous.store STORE), torchrun's node 1 started again"
         )
         base = figures["torchrun"]["mttr"]
         result: dict[str, object] = {"fault": "node_loss", "trials": args.trials}
@@ -218,7 +225,7 @@ def main(args: argparse.Namespace) -> None:
             mttr = "failed" if found["mttr"] is None else f"{found['mttr']:.2f}s"
             times = "-" if shown is None else f"{shown:.2f}"
             print(
-                f"{name:<22} MTTR {mttr:>7}  steps redone {found['steps_lost']}  x torchrun {times}"
+                f"{name:<30} MTTR {mttr:>7}  steps redone {found['steps_lost']}  x torchrun {times}"
             )
             result |= {
                 f"{key}_mttr_s": found["mttr"],
