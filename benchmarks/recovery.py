@@ -232,6 +232,28 @@ def main() -> None:
         help="a node lost, with and without job.standby, against torchrun with the node "
         "started again (recovery_node.py)",
     )
+    parser.add_argument(
+        "--kill-rank",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="--node-loss: the node rank(s) whose node planaria loses, a row each (1)",
+    )
+    parser.add_argument(
+        "--store",
+        nargs="+",
+        choices=("rank0", "master"),
+        default=["rank0"],
+        help="--node-loss: rendezvous.store of the planaria rows, a row each (rank0)",
+    )
+    parser.add_argument(
+        "--standby",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="--node-loss: job.standby of the planaria rows, a row each (0; a row of rank 1, "
+        "rank0 and 1 node standing by always runs)",
+    )
     args = parser.parse_args()
     on_device = args.device != "cpu"
     if args.cpu_dry_run and not on_device:

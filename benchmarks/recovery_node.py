@@ -7,7 +7,12 @@ checkpoint to memory every step and to storage every ``--ckpt-every``. Once rank
 interpreter and workers, found through /proc by the trial's marker and ``PLANARIA_NODE_ID``;
 under torchrun, node 1's launcher and its workers).
 
-The node lost under planaria is the one of node rank 1 (the timeline's round says which).
+The node lost under planaria is the one of node rank 1 (the timeline's round says which), or
+of each rank ``--kill-rank`` names; ``--store`` names where the workers' store is
+(``rendezvous.store``): ``rank0``, the worker of rank 0 hosts it (the default), ``master``, a
+process beside the master does; ``--standby`` how many nodes stand by (``job.standby``). One
+row for each rank, store and standby count: losing rank 0's node under ``rank0`` loses the
+store too, and the next round waits for a new rank 0 to host one.
 
 - ``planaria``: the local scheduler replaces the node (a cold start: a new agent, Python and the
   torch import) and the next round waits for it.
@@ -27,6 +32,7 @@ same run. Trials are interleaved; every trial's processes carry a marker of thei
 swept after it (``left_behind`` in the JSON).
 
     python benchmarks/recovery.py --node-loss [--trials 3] [--steps 60] [--kill-at 30]
+        [--kill-rank 0 1] [--store rank0 master] [--standby 0 1]
 """
 
 from __future__ import annotations
@@ -66,8 +72,30 @@ NODE = "BENCH_TORCHRUN_NODE"
 """Marks the processes of each torchrun launcher by its node (0 or 1)."""
 
 
+def rows(
+    kill_ranks: list[int], stores: list[str], standby: list[int] | None = None
+) -> list[tuple[str, int, str, int]]:
+    """The planaria rows: (name, node rank lost, ``rendezvous.store``, ``job.standby``) for
+    each of them; rank 1 under ``rank0`` is the row named ``planaria`` (``planaria standby``
+    with nodes standing by), the others name their rank and store."""
+    found = []
+    for spare in dict.fromkeys(standby or [0]):
+        for rank in dict.fromkeys(kill_ranks):
+            for store in dict.fromkeys(stores):
+                name = "planaria standby" if spare else "planaria"
+                if (rank, store) != (1, "rank0"):
+                    name += f" r{rank} {store}"
+                found.append((name, rank, store, spare))
+    return found
+
+
 def run_planaria(
-    args: argparse.Namespace, work: Path, standby: int, replica: bool = False
+    args: argparse.Namespace,
+    work: Path,
+    standby: int,
+    kill_rank: int = 1,
+    store: str = "rank0",
+    replica: bool = False,
 ) -> TrialResult:
     config = {
         "job": {
@@ -78,6 +106,7 @@ def run_planaria(
             "max_restarts": 3,
             "standby": standby,
         },
+        "rendezvous": {"store": store},
         "diagnosis": {"checks": []},
         "master": {"heartbeat_interval": "1s", "heartbeat_timeout": "15s"},
         "checkpoint": {"replica": {}} if replica else {},
@@ -87,7 +116,8 @@ def run_planaria(
     def lose_node() -> float | None:
         if last_step(rank0_log(work)) < args.kill_at:
             return None
-        victim = _node_of_rank(work, 1)  # not always node-1: a node that stands by is in none
+        # Not always node-1: a node that stands by is in none.
+        victim = _node_of_rank(work, kill_rank)
         struck = time.time()
         return struck if victim is not None and kill_local_node(victim) else None
 
@@ -97,6 +127,14 @@ def run_planaria(
         [planaria, "run", str(work / "job.yaml")], work, dict(os.environ), args.timeout, lose_node
     )
     return measure_fault(rank0_log(work), struck, ok, time.time() - started, note_of(ok, output))
+
+
+def _planaria(
+    args: argparse.Namespace, rank: int, store: str, standby: int, replica: bool = False
+) -> Callable[[Path], TrialResult]:
+    return lambda w: run_planaria(
+        args, w, standby=standby, kill_rank=rank, store=store, replica=replica
+    )
 
 
 def _node_of_rank(work: Path, rank: int) -> str | None:
@@ -178,16 +216,20 @@ def _rank0(work: Path) -> str:
 def main(args: argparse.Namespace) -> None:
     with leftovers.Sweeper() as sweeper:  # checks at the end even if the benchmark fails
         runners: dict[str, Callable[[Path], TrialResult]] = {
-            "planaria": lambda w: run_planaria(args, w, standby=0),
-            "planaria standby": lambda w: run_planaria(args, w, standby=1),
-            "planaria replica": lambda w: run_planaria(args, w, standby=0, replica=True),
-            "planaria standby+replica": lambda w: run_planaria(args, w, standby=1, replica=True),
-            "torchrun": lambda w: run_torchrun(args, w),
+            name: _planaria(args, rank, store, spare)
+            for name, rank, store, spare in rows(args.kill_rank, args.store, args.standby)
         }
+        runners.setdefault("planaria standby", _planaria(args, 1, "rank0", 1))
+        runners["planaria replica"] = _planaria(args, 1, "rank0", 0, replica=True)
+        runners["planaria standby+replica"] = _planaria(args, 1, "rank0", 1, replica=True)
+        runners["torchrun"] = lambda w: run_torchrun(args, w)
         trials = interleave(args.trials, runners, sweeper)
         figures = {name: summarise(name, found) for name, found in trials.items()}
         print()
-        print("node loss: SIGKILL of every process of node 1, torchrun's node 1 started again")
+        print(
+            "node loss: SIGKILL of every process of node 1 (rows '... rR STORE': of node rank "
+            "R, rendezvous.store STORE), torchrun's node 1 started again"
+        )
         base = figures["torchrun"]["mttr"]
         result: dict[str, object] = {"fault": "node_loss", "trials": args.trials}
         for name, found in figures.items():
@@ -196,7 +238,7 @@ def main(args: argparse.Namespace) -> None:
             mttr = "failed" if found["mttr"] is None else f"{found['mttr']:.2f}s"
             times = "-" if shown is None else f"{shown:.2f}"
             print(
-                f"{name:<26} MTTR {mttr:>7}  steps redone {found['steps_lost']}  x torchrun {times}"
+                f"{name:<30} MTTR {mttr:>7}  steps redone {found['steps_lost']}  x torchrun {times}"
             )
             result |= {
                 f"{key}_mttr_s": found["mttr"],

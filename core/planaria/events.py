@@ -361,6 +361,9 @@ class RendezvousCompleted(Payload):
     topology: dict[str, dict[str, str]] | None = None
     """Each member's topology labels (``{"node-0": {"switch": "s1"}}``), when its scheduler
     gave any: what a topology rank placement grouped them by."""
+    store: str | None = None
+    """``host:port`` of the round's store when the master's host serves it
+    (``rendezvous.store: master``); absent: the worker of rank 0 hosts it."""
 
 
 # -- checkpoints --------------------------------------------------------------------------

@@ -10,9 +10,18 @@ model's compatibility (optional fields with defaults) is checked against its nei
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetJsonSchemaHandler,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
 
 from planaria.chaos import ChaosRule
 from planaria.diagnosis.messages import DiagnosisSpec
@@ -179,6 +188,27 @@ class RendezvousInfo(Message):
     world_size: int
     master_addr: str
     master_port: int
+    agent_store: bool = False
+    """Whether the store at ``master_addr:master_port`` serves already, hosted off the workers
+    (``rendezvous.store: master``): every worker connects to it as a client. False: the
+    worker of global rank 0 hosts it, on the node of rank 0's address."""
+
+    @model_serializer(mode="wrap")
+    def _compatible(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # Left out while false: an agent from before the field (which forbids unknown keys)
+        # still reads a round whose store is rank 0's.
+        data = handler(self)
+        if not self.agent_store and isinstance(data, dict):
+            data.pop("agent_store", None)
+        return data
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        # The fields' schema: the serializer above only leaves one out, at its default.
+        fields = cast(CoreSchema, {k: v for k, v in core_schema.items() if k != "serialization"})
+        return handler(fields)
 
 
 class JoinRequest(Message):

@@ -51,6 +51,25 @@ def test_a_benchmark_starts_as_a_module_of_the_package() -> None:
     proc = _help(["-m", "benchmarks.recovery"], ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "--scheduler" in proc.stdout
+    assert all(option in proc.stdout for option in ("--kill-rank", "--store", "--standby"))
+
+
+def test_the_node_loss_benchmark_has_a_row_for_each_rank_lost_and_store(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(ROOT))
+    node = importlib.import_module("benchmarks.recovery_node")
+    assert node.rows([1], ["rank0"]) == [("planaria", 1, "rank0", 0)]  # the row it always had
+    assert node.rows([0, 1, 0], ["rank0", "master"]) == [
+        ("planaria r0 rank0", 0, "rank0", 0),
+        ("planaria r0 master", 0, "master", 0),
+        ("planaria", 1, "rank0", 0),
+        ("planaria r1 master", 1, "master", 0),
+    ]
+    assert node.rows([1, 0], ["master"], [1]) == [
+        ("planaria standby r1 master", 1, "master", 1),
+        ("planaria standby r0 master", 0, "master", 1),
+    ]
 
 
 RANK0 = """\

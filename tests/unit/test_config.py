@@ -181,6 +181,7 @@ BAD = [
         "pip install planaria-fsspec",
     ),
     ("rendezvous: {join_grace: soon}", "rendezvous.join_grace", "invalid duration"),
+    ("rendezvous: {store: rank1}", "rendezvous.store", "'rank0' or 'master'"),
     (
         "rendezvous: {backend: etcd}",
         "rendezvous.backend",
@@ -413,3 +414,11 @@ def test_rendezvous_backend_takes_its_options_and_master_still_reads(tmp_path):
     old, _ = load(write(tmp_path, "rendezvous: {backend: master, join_grace: 3s}\n", "b.yaml"))
     assert old.backends["rendezvous"].record.name == "stable"
     assert old.config.rendezvous.join_grace == 3.0
+
+
+def test_rendezvous_store_is_rank0_unless_the_file_says_master(tmp_path):
+    default, _ = load(write(tmp_path, "rendezvous: {join_grace: 3s}\n", "a.yaml"))
+    assert default.config.rendezvous.store == "rank0"
+    master, _ = load(write(tmp_path, "rendezvous: {store: master}\n", "b.yaml"))
+    assert master.config.rendezvous.store == "master"
+    assert master.dump()["rendezvous"]["store"] == "master"  # a resumed master reads it back

@@ -27,5 +27,6 @@ def worker_env(
         "TORCHELASTIC_RESTART_COUNT": str(restart_count),
         "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
         "TORCHELASTIC_RUN_ID": spec.run_id,
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        # True: a store hosted off the workers (rendezvous.store: master), rank 0 a client too.
+        "TORCHELASTIC_USE_AGENT_STORE": str(info.agent_store),
     }

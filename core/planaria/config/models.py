@@ -81,6 +81,11 @@ class RendezvousSection(BackendSection):
     join_grace: Duration = Field(
         default=10.0, description="once min nodes joined, close when nobody came for this long"
     )
+    store: Literal["rank0", "master"] = Field(
+        default="rank0",
+        description="who hosts the workers' torch.distributed store: the worker of rank 0 "
+        "(rank0), or a process beside the master, a fresh store each round (master)",
+    )
 
     @model_validator(mode="before")
     @classmethod

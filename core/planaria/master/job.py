@@ -28,6 +28,7 @@ from planaria.errors import SchedulerError
 from planaria.events import JobEvent, Payload, StopCause
 from planaria.log import get_logger
 from planaria.master import restore
+from planaria.master.advertise import url_host
 from planaria.master.checkpoints import Fence, JobCheckpoints
 from planaria.master.commit import GroupCommit
 from planaria.master.diagnosis import Diagnosis
@@ -51,6 +52,7 @@ from planaria.master.state import (
     UnknownNode,
     Wake,
 )
+from planaria.master.store import StoreHost
 from planaria.master.summary import FailedRank, Fault, Summary
 from planaria.master.timeline import Timeline, last_steps, last_tokens
 from planaria.master.tokens import TokenCount
@@ -174,6 +176,9 @@ class Master:
         """Nodes that re-attached to this master: a retried re-attach changes nothing."""
         self.not_written: dict[str, str] = {}
         """Files of the run's record that could not be written, and why (a full disk)."""
+        self.store: StoreHost | None = None
+        """The workers' store on the master's host (``rendezvous.store: master``), once the
+        runner started it; None: the worker of rank 0 hosts each round's."""
 
     # -- the journal ------------------------------------------------------------------------
 
@@ -724,8 +729,12 @@ class Master:
         if self.state is not JobState.RENDEZVOUS or self.rounds.closed:
             return
         now = time.time()
-        if self.rounds.ready(self.fleet.alive(), now):  # every joiner is alive (leave())
-            world = self.rounds.close()
+        ready = self.rounds.ready(self.fleet.alive(), now)  # every joiner is alive (leave())
+        store = None
+        if ready and self.store is not None:  # the round waits for its store (a starting host)
+            store = self.store.take(self.rounds.round)
+        if ready and (self.store is None or store is not None):
+            world = self.rounds.close(store)
             self.state = JobState.RUNNING
             self._round_settled.set()
             plan = restore.plan(
@@ -759,18 +768,21 @@ class Master:
                         n: dict(self.nodes[n].topology) for n in world if self.nodes[n].topology
                     }
                     or None,
+                    store=None if store is None else f"{url_host(store[0])}:{store[1]}",
                 ),
                 f"round {self.rounds.round}: {len(world)} node(s), world size {size}{taken}; "
                 f"restore from {plan.where}: {plan.why}",
             )
         elif now - self.rounds.opened_at > self.settings.join_timeout:
-            self._finish(
-                JobState.FAILED,
-                f"rendezvous timed out: {self.rounds.joined} node(s) joined round "
-                f"{self.rounds.round} within {self.settings.join_timeout:g}s, at least "
-                f"{self.settings.min_nodes} needed",
-                StopCause.JOIN_TIMEOUT,
+            why = (
+                f"the workers' store on the master's host (rendezvous.store: master) was not "
+                f"ready within {self.settings.join_timeout:g}s (see "
+                f"{self.store.log_path if self.store is not None else 'its log'})"
+                if ready
+                else f"{self.rounds.joined} node(s) joined round {self.rounds.round} within "
+                f"{self.settings.join_timeout:g}s, at least {self.settings.min_nodes} needed"
             )
+            self._finish(JobState.FAILED, f"rendezvous timed out: {why}", StopCause.JOIN_TIMEOUT)
 
     def _usable_replicas(self, node_id: str) -> list[ReplicaHolding]:
         """The replicas ``node_id`` keeps, but for the steps a fetch failed on (none when it

@@ -164,6 +164,7 @@ def job_settings(
         diagnosis=master_policy(resolved, manager, preflight_only),
         standby=0 if preflight_only else config.job.standby,
         placement=rank_placement(resolved),
+        store="rank0" if preflight_only else config.rendezvous.store,
     )
 
 

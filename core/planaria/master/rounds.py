@@ -115,8 +115,10 @@ class Rounds:
             return True
         return now - self._last_join >= self.join_grace
 
-    def close(self) -> dict[str, RendezvousInfo]:
-        """Form the world: ranks, and torch.distributed's address from the node of rank 0."""
+    def close(self, store: tuple[str, int] | None = None) -> dict[str, RendezvousInfo]:
+        """Form the world: ranks, and torch.distributed's address: ``store``'s, a store that
+        serves already off the workers (``rendezvous.store: master``), or else the node of
+        rank 0's, whose worker of rank 0 hosts it."""
         size = self._world_size()
         joiners = {j.node_id: j for j in sorted(self._joiners.values(), key=lambda j: j.since)}
         ranks = self._place(
@@ -142,8 +144,9 @@ class Rounds:
                 num_nodes=size,
                 rank_offset=ranks[j.node_id] * self.procs_per_node,
                 world_size=size * self.procs_per_node,
-                master_addr=leader.addr,
-                master_port=leader.port,
+                master_addr=leader.addr if store is None else store[0],
+                master_port=leader.port if store is None else store[1],
+                agent_store=store is not None,
             )
             for j in members
         }

@@ -54,6 +54,7 @@ from planaria.master.journal import (
 from planaria.master.prepare import job_settings, job_spec, make_run_dir
 from planaria.master.server import ServerLimits, make_app, serve
 from planaria.master.state import JobState
+from planaria.master.store import StoreHost
 from planaria.master.summary import SUMMARY_FILE, Summary, write_summary
 from planaria.master.tls import job_certificate, server_context
 from planaria.master.transport import transport
@@ -411,6 +412,9 @@ async def _run(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, interrupt, sig)
         try:
+            if master.settings.store == "master":  # imports torch now, off the recovery path
+                master.store = StoreHost(advertised.address, run_dir / "logs" / "store.log")
+                master.store.start()
             if journalled is not None:
                 master.announce_resume()
                 await master.adopt(agents, journalled)
@@ -423,6 +427,8 @@ async def _run(
                 summary = master.summary()
             return summary
         finally:
+            if master.store is not None:
+                master.store.close()
             await server.cleanup()
             master.timeline.close()
             master.journal.close()

@@ -280,6 +280,8 @@ class JobSettings:
     """Nodes started beyond ``max_nodes`` that stand by, warm, for a lost node's place."""
     placement: RankPlacement[Any] = field(default_factory=StablePlacement)
     """Which member of a round gets which node rank (``rendezvous.backend``)."""
+    store: str = "rank0"
+    """Who hosts the workers' store (``rendezvous.store``): ``rank0`` or ``master``."""
 
     @property
     def rules(self) -> Rules:
