@@ -51,6 +51,7 @@ from benchmarks.harness import (
     last_step,
     launch,
     measure_fault,
+    node_of_rank,
     note_of,
     rank0_log,
     ratio,
@@ -87,7 +88,7 @@ def run_planaria(
     def lose_node() -> float | None:
         if last_step(rank0_log(work)) < args.kill_at:
             return None
-        victim = _node_of_rank(work, 1)  # not always node-1: a node that stands by is in none
+        victim = node_of_rank(work, 1)  # not always node-1: a node that stands by is in none
         struck = time.time()
         return struck if victim is not None and kill_local_node(victim) else None
 
@@ -97,19 +98,6 @@ def run_planaria(
         [planaria, "run", str(work / "job.yaml")], work, dict(os.environ), args.timeout, lose_node
     )
     return measure_fault(rank0_log(work), struck, ok, time.time() - started, note_of(ok, output))
-
-
-def _node_of_rank(work: Path, rank: int) -> str | None:
-    """The node holding node rank ``rank`` in the newest round of the run in ``work``."""
-    found = None
-    for timeline in work.glob("planaria-runs/*/events.jsonl"):
-        for line in timeline.read_text(errors="replace").splitlines():
-            with contextlib.suppress(ValueError):
-                event = json.loads(line)
-                if event.get("kind") == "rendezvous_completed":
-                    ranks = event["data"]["ranks"]
-                    found = next((n for n, r in ranks.items() if r == rank), found)
-    return found
 
 
 def run_torchrun(args: argparse.Namespace, work: Path) -> TrialResult:
