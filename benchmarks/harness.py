@@ -326,6 +326,46 @@ def fault_table(
     return result
 
 
+def node_loss_rows(
+    figures: dict[str, dict[str, object]], names: list[str], baseline: str
+) -> dict[str, object]:
+    """Print the node-loss runs beyond the table's two (standby, replica): each one's MTTR, the
+    steps redone (the figure a replica brings to 0) and its MTTR over ``baseline``'s; returns
+    the figures for the JSON, keyed ``node_loss_<name>_*``."""
+    result: dict[str, object] = {}
+    for name in names:
+        found, base = figures[f"node: {name}"], figures[f"node: {baseline}"]
+        mttr = found["mttr"]
+        shown_ratio = ratio(mttr, base["mttr"])
+        times = "-" if shown_ratio is None else f"{shown_ratio:.2f}"
+        shown = f"{mttr:.2f}s" if isinstance(mttr, float) else "failed"
+        print(
+            f"node loss, {name:<20} MTTR {shown:>7}  steps redone {found['steps_lost']}"
+            f"  x {baseline} {times}"
+        )
+        key = re.sub(r"\W+", "_", name)
+        result |= {
+            f"node_loss_{key}_mttr_s": mttr,
+            f"node_loss_{key}_steps_redone": found["steps_lost"],
+            f"node_loss_{key}_failed": found["failed"],
+        }
+    return result
+
+
+def node_of_rank(work: Path, rank: int) -> str | None:
+    """The node holding node rank ``rank`` in the newest round of the run in ``work`` (with
+    nodes standing by, not always ``node-<rank>``)."""
+    found = None
+    for timeline in work.glob("planaria-runs/*/events.jsonl"):
+        for line in timeline.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                event = json.loads(line)
+                if event.get("kind") == "rendezvous_completed":
+                    ranks = event["data"]["ranks"]
+                    found = next((n for n, r in ranks.items() if r == rank), found)
+    return found
+
+
 # -- the checkpoint benchmarks' state ------------------------------------------------------------
 
 

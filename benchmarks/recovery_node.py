@@ -57,6 +57,7 @@ from benchmarks.harness import (
     last_step,
     launch,
     measure_fault,
+    node_of_rank,
     note_of,
     rank0_log,
     ratio,
@@ -117,7 +118,7 @@ def run_planaria(
         if last_step(rank0_log(work)) < args.kill_at:
             return None
         # Not always node-1: a node that stands by is in none.
-        victim = _node_of_rank(work, kill_rank)
+        victim = node_of_rank(work, kill_rank)
         struck = time.time()
         return struck if victim is not None and kill_local_node(victim) else None
 
@@ -135,19 +136,6 @@ def _planaria(
     return lambda w: run_planaria(
         args, w, standby=standby, kill_rank=rank, store=store, replica=replica
     )
-
-
-def _node_of_rank(work: Path, rank: int) -> str | None:
-    """The node holding node rank ``rank`` in the newest round of the run in ``work``."""
-    found = None
-    for timeline in work.glob("planaria-runs/*/events.jsonl"):
-        for line in timeline.read_text(errors="replace").splitlines():
-            with contextlib.suppress(ValueError):
-                event = json.loads(line)
-                if event.get("kind") == "rendezvous_completed":
-                    ranks = event["data"]["ranks"]
-                    found = next((n for n, r in ranks.items() if r == rank), found)
-    return found
 
 
 def run_torchrun(args: argparse.Namespace, work: Path) -> TrialResult:

@@ -14,8 +14,14 @@ local scheduler (2 nodes on this machine) as the baseline.
   spare). Under the local scheduler node-1's agent and its workers are SIGKILLed (found
   through /proc by the trial's marker and ``PLANARIA_NODE_ID``), what a dying node does to them.
   The cluster gets a new raylet after each node loss, so every trial has its spare.
+- ``ray standby+replica`` (node loss only): the same on Ray with ``job.standby: 1`` (an actor
+  on each of the 3 worker raylets: one stands by, warm, and takes the lost node's place; a new
+  raylet joins just before the loss for the replacement) and ``checkpoint.replica`` (the node of
+  rank 0 keeps a copy of the lost node's newest saved step, which the node taking its place
+  fetches: its ranks restore from memory, 0 steps redone).
 
-MTTR: from the fault to the first step rank 0 logs after it resumed (as recovery_slurm.py).
+MTTR: from the fault to the first step rank 0 logs after it resumed (as recovery_slurm.py);
+steps redone: the steps rank 0 had done by then that it did again.
 Every run has a marker of its own (:mod:`planaria.leftovers`); the cluster's daemons carry
 none, the actors carry the run's (the scheduler passes it on). After each run whatever
 carries it is killed and named, and the end checks all of them (``left_behind``).
@@ -46,6 +52,8 @@ from benchmarks.harness import (
     last_step,
     launch,
     measure_fault,
+    node_loss_rows,
+    node_of_rank,
     note_of,
     rank0_log,
     summarise,
@@ -56,9 +64,15 @@ from planaria_ray.testing import AGENT, LocalCluster
 
 
 def run(
-    args: argparse.Namespace, work: Path, cluster: LocalCluster | None, node_loss: bool
+    args: argparse.Namespace,
+    work: Path,
+    cluster: LocalCluster | None,
+    node_loss: bool,
+    standby: int = 0,
+    replica: bool = False,
 ) -> TrialResult:
-    """One ``planaria run``: on the Ray cluster, or (``cluster`` None) the local scheduler."""
+    """One ``planaria run``: on the Ray cluster, or (``cluster`` None) the local scheduler; with
+    ``standby`` nodes standing by and, with ``replica``, peer replicas of the steps saved."""
     config: dict[str, object] = {
         "job": {
             "name": "bench",
@@ -66,9 +80,11 @@ def run(
             "nodes": 2,
             "procs_per_node": args.procs_per_node,
             "max_restarts": 3,
+            "standby": standby,
         },
         "diagnosis": {"checks": []},
         "master": {"heartbeat_interval": "1s", "heartbeat_timeout": "15s"},
+        "checkpoint": {"replica": {}} if replica else {},
     }
     if cluster is not None:
         options = {"address": cluster.address, "resources": AGENT, "stop_grace": "1s"}
@@ -80,14 +96,21 @@ def run(
         config["chaos"] = json.loads(chaos(args))
     (work / "job.yaml").write_text(json.dumps(config))
 
+    added: list[str] = []
+
     def lose_node() -> float | None:
         if last_step(rank0_log(work)) < args.kill_at:
             return None
+        lost = node_of_rank(work, 1)  # not always node-1: a node standing by is in no round
+        if lost is None:
+            return None
         if cluster is None:
             struck = time.time()
-            return struck if kill_local_node("node-1") else None
+            return struck if kill_local_node(lost) else None
         (run_dir,) = work.glob("planaria-runs/*")
-        victim = cluster.ray_node_of(run_dir, "node-1")
+        victim = cluster.ray_node_of(run_dir, lost)
+        if standby:  # every worker raylet holds an actor: the replacement needs a fresh one
+            added.append(cluster.add_node())
         struck = time.time()
         cluster.kill_raylet(victim)
         return struck
@@ -100,7 +123,7 @@ def run(
             args.timeout, lose_node if node_loss else None,
         )  # fmt: skip
     finally:
-        if cluster is not None and node_loss:
+        if cluster is not None and node_loss and not added:
             cluster.add_node()  # the spare for the next trial
     wall = time.time() - started
     note = note_of(ok, output)
@@ -132,6 +155,9 @@ def compare(
         "kill: local": lambda w: run(args, w, None, node_loss=False),
         "node: ray": lambda w: run(args, w, cluster, node_loss=True),
         "node: local": lambda w: run(args, w, None, node_loss=True),
+        "node: ray standby+replica": lambda w: run(
+            args, w, cluster, node_loss=True, standby=1, replica=True
+        ),
     }
     return interleave(args.trials, runners, sweeper)
 
@@ -144,6 +170,8 @@ def report(
     print("node loss, ray: SIGKILL of node-1's raylet; local: SIGKILL of node-1's agent+workers")
     result: dict[str, object] = {"scheduler": "ray", "trials": args.trials}
     result |= fault_table(figures, ("ray", "ray", "ray"), ("local", "local", "local"))
+    print()
+    result |= node_loss_rows(figures, ["ray standby+replica"], "ray")
     left = sweeper.final()
     result["survivors_killed"] = len(sweeper.killed)
     result["left_behind"] = len(left)

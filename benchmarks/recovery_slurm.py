@@ -7,15 +7,21 @@ cancelled after it, so a hung baseline leaves no step behind.
 
 - ``planaria run`` with ``scheduler.backend: slurm`` uses 2 of the 3 nodes, the third is the
   spare. Worker kill: ``PLANARIA_CHAOS`` kills rank 1 at ``--kill-at``. Node loss: once rank 0
-  logged step ``--kill-at``, ``scancel J.S`` of the agent step of node-1 (the node without
-  rank 0).
+  logged step ``--kill-at``, ``scancel J.S`` of the agent step of the node of node rank 1 (the
+  node without rank 0).
+- ``planaria standby+replica`` (node loss only): the same with ``job.standby: 1`` (4 nodes
+  allocated: one stands by, warm, and takes the lost node's place) and ``checkpoint.replica``
+  (the node of rank 0 keeps a copy of the lost node's newest saved step, which the node taking
+  its place fetches over the network: its ranks restore from memory, 0 steps redone, where the
+  others redo up to ``--ckpt-every`` - 1 from storage).
 - baseline: ``srun --jobid J -N2 --ntasks-per-node=1 --overlap torchrun --nnodes=2 ...``, one
   step holding both torchrun agents, the way Slurm users run it. Worker kill: the same chaos
   rule. Node loss: one task of a step cannot be cancelled on its own, so the second node's
   torchrun agent and its workers are SIGKILLed (found through /proc), which is what a node that
   dies does to them.
 
-MTTR: from the fault to the first step rank 0 logs after it resumed.
+MTTR: from the fault to the first step rank 0 logs after it resumed; steps redone: the steps
+rank 0 had done by then that it did again.
 
 Every run has a marker of its own (:mod:`planaria.leftovers`), as in recovery.py: srun passes
 the environment into the steps (``--export=ALL``, also given explicitly for the baseline, so
@@ -54,6 +60,8 @@ from benchmarks.harness import (
     last_step,
     launch,
     measure_fault,
+    node_loss_rows,
+    node_of_rank,
     note_of,
     rank0_log,
     summarise,
@@ -126,9 +134,9 @@ def job_state(job_id: str) -> str:
 
 
 @contextlib.contextmanager
-def allocation(work: Path) -> Iterator[str]:
+def allocation(work: Path, nodes: int = SBATCH_NODES) -> Iterator[str]:
     job_id = slurm(
-        "sbatch", "--parsable", f"-N{SBATCH_NODES}", "--oversubscribe", "--no-kill",
+        "sbatch", "--parsable", f"-N{nodes}", "--oversubscribe", "--no-kill",
         f"--chdir={work}", "--output=/dev/null", "--job-name=planaria-bench",
         "--wrap", "exec sleep infinity",
     ).strip()  # fmt: skip
@@ -146,8 +154,12 @@ def allocation(work: Path) -> Iterator[str]:
             time.sleep(0.2)
 
 
-def run_planaria(args: argparse.Namespace, work: Path, node_loss: bool) -> TrialResult:
-    with allocation(work) as job_id:
+def run_planaria(
+    args: argparse.Namespace, work: Path, node_loss: bool, standby: int = 0, replica: bool = False
+) -> TrialResult:
+    """One ``planaria run`` in an allocation of its own: with ``standby`` nodes standing by
+    (each one more node allocated) and, with ``replica``, peer replicas of the steps saved."""
+    with allocation(work, SBATCH_NODES + standby) as job_id:
         config: dict[str, object] = {
             "job": {
                 "name": "bench",
@@ -155,9 +167,11 @@ def run_planaria(args: argparse.Namespace, work: Path, node_loss: bool) -> Trial
                 "nodes": 2,
                 "procs_per_node": args.procs_per_node,
                 "max_restarts": 3,
+                "standby": standby,
             },
             "scheduler": {"backend": "slurm", "options": {"job_id": job_id}},
             "diagnosis": {"checks": []},
+            "checkpoint": {"replica": {}} if replica else {},
         }
         if not node_loss:
             config["chaos"] = json.loads(chaos(args))
@@ -166,10 +180,11 @@ def run_planaria(args: argparse.Namespace, work: Path, node_loss: bool) -> Trial
         def cancel_node() -> float | None:
             if last_step(rank0_log(work)) < args.kill_at:
                 return None
+            lost = node_of_rank(work, 1)  # not always node-1: a node standing by is in no round
             out = slurm("squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j|%N", check=False)
             steps = [line.split("|") for line in out.splitlines() if line.count("|") == 2]
-            victim = next((s for s, name, _ in steps if name.endswith(".node-1")), None)
-            if victim is None:
+            victim = next((s for s, name, _ in steps if name.endswith(f".{lost}")), None)
+            if lost is None or victim is None:
                 return None
             struck = time.time()
             slurm("scancel", victim)
@@ -297,6 +312,9 @@ def main(args: argparse.Namespace) -> None:
         "kill: torchrun (workaround)": lambda w: run_torchrun(args, w, True, node_loss=False),
         "node: planaria run": lambda w: run_planaria(args, w, node_loss=True),
         "node: torchrun (workaround)": lambda w: run_torchrun(args, w, True, node_loss=True),
+        "node: planaria standby+replica": lambda w: run_planaria(
+            args, w, node_loss=True, standby=1, replica=True
+        ),
     }
     signal.signal(signal.SIGTERM, interrupted)  # so that the cluster is stopped all the same
     with leftovers.Sweeper() as sweeper:  # checks at the end even if the benchmark fails
@@ -321,6 +339,8 @@ def compare(
         ("planaria run", "planaria", "planaria run"),
         ("torchrun", "torchrun", "torchrun (workaround)"),
     )
+    print()
+    result |= node_loss_rows(figures, ["planaria standby+replica"], "planaria run")
     result["worker_kill_torchrun_default_mttr_s"] = figures["kill: torchrun (defaults)"]["mttr"]
     result["worker_kill_torchrun_default_failed"] = figures["kill: torchrun (defaults)"]["failed"]
     result["node_loss_torchrun_fault"] = TORCHRUN_NODE_LOSS

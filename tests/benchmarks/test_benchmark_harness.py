@@ -114,6 +114,34 @@ def test_the_fault_table_shows_no_ratio_for_a_runner_that_never_recovered(
     assert harness.ratio(2.0, 0.0) is None and harness.ratio(None, 1.0) is None
 
 
+def test_the_node_loss_rows_show_steps_redone_and_the_ratio_to_their_baseline(
+    harness, capsys: pytest.CaptureFixture[str]
+) -> None:  # type: ignore[no-untyped-def]
+    figures = {
+        "node: ray": {"mttr": 8.0, "steps_lost": 3, "failed": 0},
+        "node: ray standby+replica": {"mttr": 2.0, "steps_lost": 0, "failed": 0},
+        "node: ray replica": {"mttr": None, "steps_lost": None, "failed": 1},
+    }
+    result = harness.node_loss_rows(figures, ["ray standby+replica", "ray replica"], "ray")
+    assert result["node_loss_ray_standby_replica_mttr_s"] == 2.0
+    assert result["node_loss_ray_standby_replica_steps_redone"] == 0
+    assert result["node_loss_ray_replica_failed"] == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[-7:] == ["2.00s", "steps", "redone", "0", "x", "ray", "0.25"]
+    assert lines[1].split()[-7:] == ["failed", "steps", "redone", "None", "x", "ray", "-"]
+
+
+def test_the_node_of_a_rank_is_the_one_of_the_newest_round(harness, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    assert harness.node_of_rank(tmp_path, 1) is None  # no run yet
+    run = tmp_path / "planaria-runs" / "r1"
+    run.mkdir(parents=True)
+    rounds = [{"node-0": 0, "node-2": 1}, {"node-0": 0, "node-1": 1}]
+    lines = [json.dumps({"kind": "rendezvous_completed", "data": {"ranks": r}}) for r in rounds]
+    (run / "events.jsonl").write_text("\n".join([*lines, '{"kind": "torn']) + "\n")
+    assert harness.node_of_rank(tmp_path, 1) == "node-1"
+    assert harness.node_of_rank(tmp_path, 0) == "node-0"
+
+
 @pytest.mark.slow  # five runs of a 24-step job with a node lost in each
 def test_the_node_loss_benchmark_measures_every_row_and_leaves_nothing(tmp_path: Path) -> None:
     pytest.importorskip("torch")

@@ -195,7 +195,7 @@ def test_agents_stop_their_workers_once_the_master_is_gone_for_the_grace(tmp_pat
     # Resumed after its agents gave up, the job still goes on: the new master finds the
     # nodes gone (the scheduler reports them lost), replaces them and they restore from
     # storage.
-    resumed = run(tmp_path, mark, "--resume", str(run_dir), timeout=180)
+    resumed = run(tmp_path, mark, "--resume", str(run_dir), timeout=360)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     after = _events(run_dir)
     first = next(i for i, e in enumerate(after) if e["kind"] == "master_resumed")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -101,10 +102,12 @@ def test_more_nodes_than_can_come_is_a_clear_error_after_the_join_timeout(tmp_pa
     )
     result = run(tmp_path, mark, str(config))
     assert result.returncode == 1
-    assert (
-        "rendezvous timed out: 2 node(s) joined round 1 within 4s, at least 3 needed"
-        in " ".join(result.stdout.split())
-    )
+    # At most 2 of the 3 can come (2 slots); on a busy machine the second may not have
+    # joined within the 4 s either.
+    assert re.search(
+        r"rendezvous timed out: [12] node\(s\) joined round 1 within 4s, at least 3 needed",
+        " ".join(result.stdout.split()),
+    ), result.stdout[-3000:]
 
 
 def test_a_spent_restart_budget_stops_the_job_with_the_reason(tmp_path, mark):
