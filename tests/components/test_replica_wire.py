@@ -235,3 +235,30 @@ def test_a_replica_the_new_ring_no_longer_feeds_is_dropped_after_the_grace(
         sender.close()
         for segment in segments.values():
             segment.close()
+
+
+def test_connections_beyond_the_cap_are_closed_before_they_cost_a_thread(tmp_path, monkeypatch):
+    import planaria.checkpoint.replica as replica
+
+    monkeypatch.setattr(replica, "MAX_CONNECTIONS", 1)
+    (tmp_path / "capped").mkdir(mode=0o700)
+    server = ReplicaServer(tmp_path / "capped", TOKEN, "127.0.0.1")
+    try:
+        first = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        assert b"nonce" in first.recv(200)  # served: it holds the one slot, saying nothing
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as second:
+            assert second.recv(200) == b""  # closed at once
+        first.close()
+        # The slot is free again once the first is done (its read ends with the close).
+        wait_for(
+            "a slot",
+            lambda: _answered(server.port),
+            timeout=15,
+        )
+    finally:
+        server.close()
+
+
+def _answered(port: int) -> bool:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        return b"nonce" in sock.recv(200)

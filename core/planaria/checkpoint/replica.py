@@ -60,6 +60,8 @@ CHUNK = 4 << 20
 """Bytes sent or received at a time (and checked against the bandwidth bound)."""
 TIMEOUT = 10.0
 """Seconds a silent peer is waited for, at any point of a request."""
+MAX_CONNECTIONS = 64
+"""Connections a replica server serves at once (a node's peers need a few)."""
 MAX_LINE = 64 << 10
 """The longest JSON line taken from a peer."""
 _CONTEXT = b"planaria-replica-v1"
@@ -229,6 +231,8 @@ class ReplicaServer:
         self._rank_locks: dict[int, threading.Lock] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        """Connections served at once: more (before they prove anything) are closed."""
         self._thread = threading.Thread(target=self._accept, name="replica-server", daemon=True)
         self._thread.start()
 
@@ -279,9 +283,15 @@ class ReplicaServer:
         with self._lock:
             ranks = sorted(self._segments)
         for rank in ranks:
-            with self._rank_lock(rank):
+            # Not under the rank's lock: a copy streaming in holds it for as long as the
+            # network takes, and the agent asks between rounds. A slot being written is not
+            # valid, so the descriptors can be read at any time.
+            with self._lock:
                 segment = self._segments.get(rank)
+            try:
                 valid = [] if segment is None else segment.valid()
+            except (ValueError, OSError):  # closed meanwhile: made anew for a larger step
+                continue
             if not valid:
                 continue
             newest = valid[0]
@@ -306,11 +316,20 @@ class ReplicaServer:
                 sock, peer = self._listener.accept()
             except OSError:
                 return
+            if not self._slots.acquire(blocking=False):  # a flood: no thread for it
+                sock.close()
+                continue
             threading.Thread(
                 target=self._serve, args=(sock, peer), name="replica-peer", daemon=True
             ).start()
 
     def _serve(self, sock: socket.socket, peer: Any) -> None:
+        try:
+            self._answer(sock, peer)
+        finally:
+            self._slots.release()
+
+    def _answer(self, sock: socket.socket, peer: Any) -> None:
         with sock:
             sock.settimeout(TIMEOUT)
             reader = sock.makefile("rb")
