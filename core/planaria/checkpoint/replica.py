@@ -15,7 +15,8 @@ What a copy is checked for:
   the network) and checks afterwards that the slot still holds the step it started with (its
   sequence number, as a seqlock). A save that wrote over it in the meantime voids the copy;
   the next, newer step is sent instead.
-- **Corruption.** A CRC-32 of the bytes, computed by the sender, checked by the receiver
+- **Corruption.** An xxh3-64 checksum of the bytes (the one the persister's manifests use,
+  fast enough to cost less than the copy), computed by the sender, checked by the receiver
   before it marks the slot valid; the same for a fetch.
 - **Fencing.** Each copy carries the sender's round. A server takes no copy from a round older
   than its own node's: a node cut off from the job cannot overwrite the replica of the world
@@ -26,8 +27,8 @@ What a copy is checked for:
 
 Wire: TCP, one request a connection, each message a JSON line, then raw bytes where the
 request says. ``put``: the header, ``{"ok": true}``, the step's data and metadata, a trailer
-``{"crc": ..., "intact": ...}``, ``{"ok": true}``. ``get``: the request, a header with the
-sizes, the bytes, a trailer with the CRC.
+``{"xxh3": ..., "intact": ...}``, ``{"ok": true}``. ``get``: the request, a header with the
+sizes, the bytes, a trailer with the checksum.
 
 Why one module: the server, the sender and :func:`fetch` are the two ends of one wire protocol
 (its messages, its checks, its authentication); apart, each end would hold half of a contract
@@ -45,10 +46,11 @@ import secrets
 import socket
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
+
+import xxhash
 
 from planaria.checkpoint.segment import Segment, SegmentError, SlotInfo
 from planaria.log import get_logger
@@ -108,16 +110,16 @@ def _integer(message: dict[str, Any], key: str, low: int = 0) -> int:
     return value
 
 
-def _receive_into(reader: BinaryIO, view: memoryview, length: int) -> int:
-    """Read exactly ``length`` bytes into ``view``; their CRC-32."""
-    crc, done = 0, 0
+def _receive_into(reader: BinaryIO, view: memoryview, length: int) -> str:
+    """Read exactly ``length`` bytes into ``view``; their xxh3-64 checksum (hex)."""
+    digest, done = xxhash.xxh3_64(), 0
     while done < length:
         got = reader.readinto(view[done : min(length, done + CHUNK)])  # type: ignore[attr-defined]
         if not got:
             raise ReplicaError(f"the peer went away after {done} of {length} bytes")
-        crc = zlib.crc32(view[done : done + got], crc)
+        digest.update(view[done : done + got])
         done += got
-    return crc
+    return digest.hexdigest()
 
 
 class _Pace:
@@ -138,21 +140,21 @@ class _Pace:
 
 def _stream(
     sock: socket.socket, segment: Segment, info: SlotInfo, pace: _Pace | None = None
-) -> int:
-    """Send a slot's data and metadata; their CRC-32."""
-    crc = 0
+) -> str:
+    """Send a slot's data and metadata; their xxh3-64 checksum (hex)."""
+    digest = xxhash.xxh3_64()
     total = info.data_len + info.meta_len
     view = segment.payload(info)
     try:
         for start in range(0, total, CHUNK):
             chunk = view[start : start + CHUNK]
-            crc = zlib.crc32(chunk, crc)
+            digest.update(chunk)
             sock.sendall(chunk)
             if pace is not None:
                 pace.sent_bytes(len(chunk))
     finally:
         view.release()
-    return crc
+    return digest.hexdigest()
 
 
 def _take(
@@ -167,21 +169,21 @@ def _take(
     ready: Callable[[], None] | None = None,
 ) -> None:
     """Receive a step's data and metadata into a free slot of ``segment`` and mark it valid
-    once the trailer's CRC-32 matches (and the sender says no save wrote over it meanwhile).
+    once the trailer's checksum matches (and the sender says no save wrote over it meanwhile).
     ``ready``: called once the slot is held, before the bytes are asked for."""
     data_len, meta_len = sizes
     total = data_len + meta_len
     with segment.writing_bytes(wait=TIMEOUT) as (slot, view):
         if ready is not None:
             ready()
-        crc = _receive_into(reader, view, total)
+        digest = _receive_into(reader, view, total)
         trailer = _receive(reader)
         if trailer.get("intact", True) is not True:
             raise ReplicaError(f"step {step} changed while it was sent (not kept)")
-        if trailer.get("crc") != crc:
+        if trailer.get("xxh3") != digest:
             raise ReplicaError(
-                f"step {step} of rank {rank} arrived corrupt (CRC-32 {crc:#010x}, "
-                f"{sender}'s {trailer.get('crc')!r})"
+                f"step {step} of rank {rank} arrived corrupt (xxh3-64 {digest}, "
+                f"{sender}'s {trailer.get('xxh3')!r})"
             )
         meta = bytes(view[data_len:total])
         segment.publish(slot, step=step, rank=rank, world=world, data_len=data_len, meta=meta)
@@ -425,8 +427,7 @@ class ReplicaServer:
                     "capacity": segment.capacity,
                 }
                 _send(sock, header)
-                crc = _stream(sock, segment, info)
-                _send(sock, {"crc": crc})
+                _send(sock, {"xxh3": _stream(sock, segment, info)})
 
 
 # -- a replacement's side ------------------------------------------------------------------------
@@ -613,10 +614,10 @@ class ReplicaSender:
         with _connect(buddy, self._token, request) as sock:
             reader = sock.makefile("rb")
             _receive(reader)
-            crc = _stream(sock, segment, info, _Pace(self.max_bytes_per_second))
+            digest = _stream(sock, segment, info, _Pace(self.max_bytes_per_second))
             after = segment.info(info.slot)
             intact = after.valid and after.seq == info.seq
-            _send(sock, {"crc": crc, "intact": intact})
+            _send(sock, {"xxh3": digest, "intact": intact})
             if not intact:  # told, so that the buddy keeps nothing; the newer step goes next
                 raise _SavedOver(f"step {info.step} was saved over while it was sent")
             _receive(reader)
