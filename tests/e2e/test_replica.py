@@ -106,7 +106,7 @@ def test_a_lost_nodes_ranks_restore_from_their_replica_on_a_standby_node(tmp_pat
     # Every rank restored from memory: the survivor's own, the lost node's fetched from the
     # survivor's replica (no step persisted since step 8 was redone from storage).
     step = restored_from_replicas(timeline, lost)
-    assert step >= 12
+    assert step > 8  # newer than the last persisted step: storage would have redone it
     resumed = _last_resumed(tmp_path / "faulty")
     assert resumed == {0: f"resumed from step {step} (memory)"}, resumed
     # The node that took the lost ranks copied them from the replica before its workers began.
