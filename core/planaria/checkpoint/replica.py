@@ -515,8 +515,16 @@ class ReplicaSender:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.copies = 0
-        self._thread = threading.Thread(target=self._run, name="replica-sender", daemon=True)
-        self._thread.start()
+        # A thread per local rank: one rank's copy does not wait for another's (each copy
+        # waits for its buddy's answer), so a replica lags its rank by a step at most.
+        self._threads = [
+            threading.Thread(
+                target=self._run, args=(local_rank,), name="replica-sender", daemon=True
+            )
+            for local_rank in range(procs)
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def target(self, buddy: ReplicaEndpoint | None, round_: int) -> None:
         """Send to ``buddy`` from now on, as round ``round_`` (None: to nobody)."""
@@ -526,20 +534,18 @@ class ReplicaSender:
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=TIMEOUT + 5)
+        for thread in self._threads:
+            thread.join(timeout=TIMEOUT + 5)
         for segment in self._open.values():
             segment.close()
         self._open.clear()
 
-    def _run(self) -> None:
+    def _run(self, local_rank: int) -> None:
         while not self._stop.is_set():
             target = self._target
             if target is not None:
-                for local_rank in range(self._procs):
-                    if self._stop.is_set() or self._target is not target:
-                        break
-                    self._offer(local_rank, *target)
-            self._wake.wait(self.POLL)
+                self._offer(local_rank, *target)
+            self._wake.wait(self.POLL)  # a missed wake costs one poll, no more
             self._wake.clear()
 
     def _segment(self, local_rank: int) -> Segment | None:
