@@ -501,7 +501,6 @@ class ReplicaSender:
         max_bytes_per_second: float | None = None,
     ) -> None:
         self._segment_path = segments
-        self._procs = procs
         self._token = token
         self._node_id = node_id
         self.every = every
