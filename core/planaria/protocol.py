@@ -353,6 +353,9 @@ class WorkersReport(Message):
     """Other workers of the node that failed on their own (not stopped by the agent)."""
     last_step: int = -1
     """The highest step any local worker completed in this round."""
+    progress: list[RankProgress] = Field(default_factory=list)
+    """The workers' last progress (as a heartbeat brings it): the loss and the tokens they
+    reported after the node's last heartbeat still count."""
 
 
 Stream = Literal["stdout", "stderr", "output"]

@@ -389,7 +389,7 @@ class Agent:
         if result.first_failure is not None:
             first = self._failure(state, result.first_failure)
             log.warning("worker failed", rank=first.rank, reason=first.description)
-        last = max((p.step for p in self.board.read_all()), default=-1)
+        slots = self.board.read_all()
         await self.client.call(
             "/workers",
             WorkersReport(
@@ -398,7 +398,8 @@ class Agent:
                 succeeded=result.succeeded,
                 failure=first,
                 also=failures,
-                last_step=last,
+                last_step=max((p.step for p in slots), default=-1),
+                progress=state.watch.progress(slots),
             ),
             Ack,
         )

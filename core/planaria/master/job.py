@@ -64,6 +64,7 @@ from planaria.protocol import (
     JobStatus,
     JoinReply,
     JoinRequest,
+    RankProgress,
     ReattachReply,
     ReattachRequest,
     RegisterRequest,
@@ -542,8 +543,8 @@ class Master:
             node.step = max(p.step for p in beat.progress)
             self.saw_step(node.step)
             self.diagnosis.progress(node, beat)
-            loss = self._new_loss(beat)
-            self._count_tokens(beat)
+            loss = self._new_loss(beat.node_id, beat.round, beat.progress)
+            self._count_tokens(beat.node_id, beat.round, beat.progress)
             self._sample(node, beat.round, loss=loss)
         if beat.first_step_time is not None and beat.round == self.rounds.round:
             self._first_step(node, beat)
@@ -588,29 +589,33 @@ class Master:
         the sample before it."""
         self._sample(node, self.rounds.round, last=True)
 
-    def _new_loss(self, beat: Heartbeat) -> tuple[int, int, float] | None:
-        """Rank 0's loss in ``beat``, when it is news: the job's loss series is rank 0's (the
-        one a training script prints), one point a heartbeat at most."""
-        info = self.rounds.world.get(beat.node_id)
-        if info is None or info.rank_offset != 0 or beat.round != self.rounds.round:
+    def _new_loss(
+        self, node_id: str, round_: int, progress: list[RankProgress]
+    ) -> tuple[int, int, float] | None:
+        """Rank 0's loss in a node's ``progress`` (a heartbeat's, or its workers' last), when
+        it is news: the job's loss series is rank 0's (the one a training script prints), one
+        point a report at most."""
+        info = self.rounds.world.get(node_id)
+        if info is None or info.rank_offset != 0 or round_ != self.rounds.round:
             return None
-        for p in beat.progress:
+        for p in progress:
             if p.local_rank == 0 and p.loss is not None and p.loss_step >= 0:
-                loss = (beat.round, p.loss_step, p.loss)
+                loss = (round_, p.loss_step, p.loss)
                 if loss == self.loss:
                     return None
                 self.loss = loss
                 return loss
         return None
 
-    def _count_tokens(self, beat: Heartbeat) -> None:
-        """Count rank 0's tokens in ``beat`` into the job's (:mod:`planaria.master.tokens`)."""
-        info = self.rounds.world.get(beat.node_id)
-        if info is None or info.rank_offset != 0 or beat.round != self.rounds.round:
+    def _count_tokens(self, node_id: str, round_: int, progress: list[RankProgress]) -> None:
+        """Count rank 0's tokens in a node's ``progress`` into the job's
+        (:mod:`planaria.master.tokens`)."""
+        info = self.rounds.world.get(node_id)
+        if info is None or info.rank_offset != 0 or round_ != self.rounds.round:
             return
-        for p in beat.progress:
+        for p in progress:
             if p.local_rank == 0 and p.tokens is not None and p.tokens_step >= 0:
-                self.tokens.heard(beat.round, p.tokens)
+                self.tokens.heard(round_, p.tokens)
                 return
 
     def _sample(
@@ -665,9 +670,13 @@ class Master:
         node.step = max(node.step, report.last_step)
         self.saw_step(report.last_step)
         current = report.round == self.rounds.round and self.state is JobState.RUNNING
+        loss = None
+        if current:  # what the workers reported since the node's last heartbeat
+            loss = self._new_loss(report.node_id, report.round, report.progress)
+            self._count_tokens(report.node_id, report.round, report.progress)
         if report.succeeded:
             if current:
-                self._sample(node, report.round, last=True)
+                self._sample(node, report.round, last=True, loss=loss)
                 node.phase = NodePhase.SUCCEEDED
                 if all(self.nodes[n].phase is NodePhase.SUCCEEDED for n in self.rounds.world):
                     ok, why = self.checkpoints.end(self.last_step)
@@ -680,7 +689,7 @@ class Master:
         if refused is not None:  # the next round plans without that replica
             self._refused_replicas.add((refused.holder.node_id, refused.rank, refused.step))
         if current:
-            self._sample(node, report.round, last=True)  # where its workers got to
+            self._sample(node, report.round, last=True, loss=loss)  # where its workers got to
             node.phase = NodePhase.FAILED
         self.diagnosis.workers_failed(node, report, current=current)
 

@@ -39,7 +39,10 @@ class TokenCount:
 
     def sample(self, round_: int) -> tuple[float, float] | None:
         """(The job's tokens, rank 0's sum in ``round_``) for a ``progress`` event of
-        ``round_``; None when no sum of that round was heard."""
-        if self.total is None or round_ != self.round:
+        ``round_``; None before any sum was heard, or for a round already over. A round whose
+        workers' sum is not heard yet has counted none of its own: (the count so far, 0), so
+        that a round's tokens line starts where its training did, not at the first heartbeat
+        that carried a sum."""
+        if self.total is None or round_ < self.round:
             return None
-        return self.total, self.seen
+        return self.total, self.seen if round_ == self.round else 0.0
