@@ -8,6 +8,7 @@ import time
 import pytest
 
 from planaria.master import job as job_module
+from planaria.master import recovery
 from planaria.master.runner import join_hold
 from planaria.master.state import JobState
 from planaria.protocol import CheckpointSpec, ReplicaSpec
@@ -421,6 +422,10 @@ def test_a_node_standing_by_is_held_until_the_next_round_opens_and_then_joins_it
         assert not held.done()
         lost = master.nodes["node-1"]
         master.recovery.node_lost(lost, "test: gone")
+        # The survivor restarts; the node standing by is not told to (it would stop the
+        # workers it is about to start in the new round).
+        assert master.nodes["node-0"].action.kind == "restart"
+        assert master.nodes["node-2"].action is None
         reply, took = await asyncio.wait_for(held, 10)
         assert reply["state"] == "wait" and took < 4.5, (reply, took)
 
@@ -434,6 +439,25 @@ def test_a_node_standing_by_is_held_until_the_next_round_opens_and_then_joins_it
         assert ready["info"]["node_rank"] == replies[1]["info"]["node_rank"]
         formed = [e for e in master.timeline.events if e.kind.value == "rendezvous_completed"]
         assert [e.data.get("from_standby") for e in formed] == [None, ["node-2"]]
+
+        # The lost node's replacement only refills the pool: it is not started while the
+        # job recovers (it would compete with the recovering workers), but once the new round
+        # completed its first step.
+        await asyncio.sleep(1.0)
+        assert sorted(master.nodes) == ["node-0", "node-1", "node-2"]
+        leader, info = next(
+            (n, r["info"]) for n, r in (("node-2", ready), ("node-0", rejoined))
+            if r["info"]["node_rank"] == 0
+        )  # fmt: skip
+        progress = [{"local_rank": 0, "step": 7, "time": time.time(), "first_step": 7}]
+        beat = {"node_id": leader, "round": info["round"], "activity": "running", "wait": False,
+                "progress": progress, "first_step_time": time.time()}  # fmt: skip
+        asked = time.monotonic()
+        async with session.post(url + "/heartbeat", json=beat, headers=AUTH) as r:
+            assert r.status == 200, await r.text()
+        while len(master.nodes) < 4:
+            assert time.monotonic() - asked < recovery.REFILL_WAIT / 2, "no refill"
+            await asyncio.sleep(0.02)
 
     asyncio.run(with_master(tmp_path, body, standby=1))
 

@@ -330,7 +330,10 @@ class Agent:
                     await self._report(round_state, waiting.result())
                 if beating in done:
                     action = beating.result()
-                    if action.kind in ("restart", "exit"):
+                    if action.kind == "restart" and action.round <= info.round:
+                        # Told before this node joined the round it runs: it is restarted.
+                        log.debug("a restart into this round: already in it", round=info.round)
+                    elif action.kind in ("restart", "exit"):
                         await group.stop()
                         await self._report_unreported(round_state, group.exits())
                         return action

@@ -102,14 +102,19 @@ class Fleet:
             self.add(Node(handle.node_id, handle.host, topology=dict(handle.topology)))
         return handles
 
-    def replace(self, node: Node, *, exclude_host: bool) -> Awaitable[Node]:
-        """Ask for a new node in ``node``'s place: awaiting it gives the node (or raises the
-        scheduler's error). It counts as coming (:meth:`replacing`) from this call on, not
-        from when the scheduler's thread gets to it."""
+    def replace(
+        self, node: Node, *, exclude_host: bool, after: Awaitable[None] | None = None
+    ) -> Awaitable[Node]:
+        """Ask for a new node in ``node``'s place (once ``after`` is done, when given):
+        awaiting it gives the node (or raises the scheduler's error). It counts as coming
+        (:meth:`replacing`) from this call on, not from when the scheduler's thread gets to
+        it."""
         self._replacing += 1
 
         async def ask() -> Node:
             try:
+                if after is not None:
+                    await after
                 handle = await self.call(
                     self.scheduler.replace, node.node_id, exclude_host=exclude_host
                 )

@@ -9,6 +9,7 @@ the steps lost) for the timeline and the summary.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable
@@ -40,6 +41,10 @@ from planaria.master.timeline import Timeline
 from planaria.protocol import Action
 
 log = get_logger("master")
+
+REFILL_WAIT = 10.0
+"""Seconds a refill of the standby pool waits at most for the job to recover first."""
+REFILL_POLL = 0.05
 
 
 class Restartable(Protocol):
@@ -115,10 +120,32 @@ class Recovery:
         self.excluded = {str(h) for h in snapshot["excluded"]}
 
     def replace(self, node: Node, exclude_host: bool) -> None:
-        """Ask the scheduler for a node in ``node``'s place, in the background."""
+        """Ask the scheduler for a node in ``node``'s place, in the background. When a node
+        standing by takes the place and the scheduler's nodes run on this machine
+        (:attr:`~planaria.scheduler.api.Scheduler.nodes_here`), the new node only refills the
+        pool: it is asked for once the job has recovered (:meth:`_recovered`)."""
         self.replacing[node.node_id] = exclude_host
-        answer = self.fleet.replace(node, exclude_host=exclude_host)
+        refill = self.fleet.count(NodePhase.STANDBY) > 0 and self.fleet.scheduler.nodes_here
+        after = self._recovered(self.rounds.round) if refill else None
+        answer = self.fleet.replace(node, exclude_host=exclude_host, after=after)
         self.fleet.background(self._replaced(node, answer, exclude_host))
+
+    async def _recovered(self, round_: int) -> None:
+        """Done once round ``round_`` (the one just opened) completed a step, at most
+        ``REFILL_WAIT`` seconds from now (at once when another round opens meanwhile): when a
+        refill of the pool is asked for. A node starting on the machine of the others (its
+        interpreter, its torch import) competes with the recovering workers for its CPUs, and
+        the pool can do without it for the second a recovery takes."""
+        deadline = time.monotonic() + REFILL_WAIT
+        while (
+            round_ not in self._stepped
+            and self.rounds.round == round_
+            and not self.job.stopping
+            and time.monotonic() < deadline
+        ):
+            await asyncio.sleep(REFILL_POLL)
+        if self.job.stopping:
+            raise RuntimeError("the job is stopping")
 
     def situation(self, but: str | None = None) -> Situation:
         return Situation(
@@ -213,8 +240,11 @@ class Recovery:
         round_now = self.job.open_round()
         fault.restart_round = round_now
         for node in self.fleet.nodes.values():
-            if not node.phase.gone and node.phase is not NodePhase.LAUNCHED:
-                node.send(Action(kind="restart", round=round_now, reason=fault.detail))
+            # A node standing by runs nothing: its held join goes on into the round just
+            # opened. Told to restart as well, it would stop the workers it starts there.
+            if node.phase.gone or node.phase in (NodePhase.LAUNCHED, NodePhase.STANDBY):
+                continue
+            node.send(Action(kind="restart", round=round_now, reason=fault.detail))
         self.timeline.emit(
             events.WorkersRestarted(
                 round=round_now,
