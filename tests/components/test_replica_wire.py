@@ -264,3 +264,39 @@ def test_connections_beyond_the_cap_are_closed_before_they_cost_a_thread(tmp_pat
 def _answered(port: int) -> bool:
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         return b"nonce" in sock.recv(200)
+
+
+def test_copies_ride_one_kept_connection_that_is_made_again_when_the_buddy_drops_it(
+    tmp_path, buddy, monkeypatch
+):
+    """A copy every step pays no connection: one connection, proven once, carries them all.
+    When the buddy closes it (it sat idle, the buddy restarted), the next copy connects again
+    at once, without a failure or a retry pause."""
+    from planaria.checkpoint import replica
+
+    own = Segment.create(tmp_path / "ckpt-0", 1 << 20)
+    sender = ReplicaSender(lambda lr: tmp_path / f"ckpt-{lr}", 1, TOKEN, "node-a")
+
+    def newest() -> int:
+        return next((h.steps[0] for h in buddy.holdings()), -1)
+
+    try:
+        buddy.round = 1
+        sender.target(_endpoint(buddy), 1)
+        for step in range(1, 6):
+            _save(own, step, rank=0, world=2, fill=step, size=50_000)
+            wait_for(f"step {step}", lambda s=step: newest() == s, timeout=10)
+        assert (sender.copies, buddy.accepted) == (5, 1)
+        # The buddy ends its connections (idle: its wait for the next request is cut short).
+        monkeypatch.setattr(replica, "IDLE", 0.05)
+        _save(own, 6, rank=0, world=2, fill=6, size=50_000)
+        wait_for("step 6", lambda: newest() == 6, timeout=10)
+        time.sleep(0.3)  # the kept connection is closed by now
+        started = time.monotonic()
+        _save(own, 7, rank=0, world=2, fill=7, size=50_000)
+        wait_for("step 7", lambda: newest() == 7, timeout=10)
+        assert time.monotonic() - started < 0.9  # not after the 1 s pause of a failed copy
+        assert buddy.accepted == 2 and sender.copies == 7
+    finally:
+        sender.close()
+        own.close()

@@ -25,8 +25,11 @@ What a copy is checked for:
   server sends) before anything else. The bytes themselves go unencrypted, as
   torch.distributed's own traffic between the same nodes does.
 
-Wire: TCP, one request a connection, each message a JSON line, then raw bytes where the
-request says. ``put``: the header, ``{"ok": true}``, the step's data and metadata, a trailer
+Wire: TCP, each message a JSON line, then raw bytes where the request says. A connection
+proves itself once (its first request carries the proof) and then serves requests one after
+another until the peer closes it: a sender keeps one connection to its buddy for as long as
+the buddy stays the same, so that a copy every step pays no connection, thread or handshake.
+``put``: the header, ``{"ok": true}``, the step's data and metadata, a trailer
 ``{"xxh3": ..., "intact": ...}``, ``{"ok": true}``. ``get``: the request, a header with the
 sizes, the bytes, a trailer with the checksum.
 
@@ -48,7 +51,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, overload
 
 import xxhash
 
@@ -62,6 +65,10 @@ CHUNK = 4 << 20
 """Bytes sent or received at a time (and checked against the bandwidth bound)."""
 TIMEOUT = 10.0
 """Seconds a silent peer is waited for, at any point of a request."""
+IDLE = 600.0
+"""Seconds a kept connection may wait for its next request (a step can take minutes)."""
+LINK_IDLE = IDLE / 2
+"""Seconds after which a sender connects anew rather than reuse its idle connection."""
 MAX_CONNECTIONS = 64
 """Connections a replica server serves at once (a node's peers need a few)."""
 MAX_LINE = 64 << 10
@@ -86,9 +93,21 @@ def _send(sock: socket.socket, message: dict[str, Any]) -> None:
     sock.sendall(json.dumps(message).encode() + b"\n")
 
 
-def _receive(reader: BinaryIO) -> dict[str, Any]:
+@overload
+def _receive(reader: BinaryIO) -> dict[str, Any]: ...
+
+
+@overload
+def _receive(reader: BinaryIO, end_ok: bool) -> dict[str, Any] | None: ...
+
+
+def _receive(reader: BinaryIO, end_ok: bool = False) -> dict[str, Any] | None:
+    """The next message; None at the end of the connection where ``end_ok`` (between
+    requests), else an error."""
     line = reader.readline(MAX_LINE + 1)
     if not line:
+        if end_ok:
+            return None
         raise ReplicaError("the peer closed the connection")
     if len(line) > MAX_LINE or not line.endswith(b"\n"):
         raise ReplicaError("the peer sent a line too long")
@@ -189,14 +208,20 @@ def _take(
         segment.publish(slot, step=step, rank=rank, world=world, data_len=data_len, meta=meta)
 
 
-def _connect(endpoint: ReplicaEndpoint, token: str, request: dict[str, Any]) -> socket.socket:
+def _connect(
+    endpoint: ReplicaEndpoint, token: str, request: dict[str, Any] | None
+) -> socket.socket:
+    """A connection to ``endpoint`` that proved the job's token: with ``request`` as its
+    first request, or (None) with a request of its own that only proves it."""
     sock = socket.create_connection((endpoint.addr, endpoint.port), timeout=TIMEOUT)
     try:
         reader = sock.makefile("rb")
         nonce = _receive(reader).get("nonce")
         if not isinstance(nonce, str):
             raise ReplicaError("the peer sent no nonce")
-        _send(sock, {**request, "auth": _proof(token, nonce)})
+        _send(sock, {**(request or {"op": "hello"}), "auth": _proof(token, nonce)})
+        if request is None:
+            _receive(reader)  # the server's welcome: proven
     except BaseException:
         sock.close()
         raise
@@ -233,6 +258,10 @@ class ReplicaServer:
         self._rank_locks: dict[int, threading.Lock] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self.accepted = 0
+        """Connections taken (for the tests: a sender keeps one)."""
+        self._peers: set[socket.socket] = set()
+        """Connections being served: shut down on :meth:`close`."""
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         """Connections served at once: more (before they prove anything) are closed."""
         self._thread = threading.Thread(target=self._accept, name="replica-server", daemon=True)
@@ -274,6 +303,11 @@ class ReplicaServer:
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         self._thread.join(timeout=5)
+        with self._lock:
+            peers = list(self._peers)
+        for sock in peers:  # kept connections wait for their next request: end them
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
         with self._lock:
             for segment in self._segments.values():
                 segment.close()
@@ -321,14 +355,19 @@ class ReplicaServer:
             if not self._slots.acquire(blocking=False):  # a flood: no thread for it
                 sock.close()
                 continue
+            self.accepted += 1
             threading.Thread(
                 target=self._serve, args=(sock, peer), name="replica-peer", daemon=True
             ).start()
 
     def _serve(self, sock: socket.socket, peer: Any) -> None:
+        with self._lock:
+            self._peers.add(sock)
         try:
             self._answer(sock, peer)
         finally:
+            with self._lock:
+                self._peers.discard(sock)
             self._slots.release()
 
     def _answer(self, sock: socket.socket, peer: Any) -> None:
@@ -338,19 +377,23 @@ class ReplicaServer:
             try:
                 nonce = secrets.token_hex(16)
                 _send(sock, {"nonce": nonce})
-                request = _receive(reader)
-                proof = request.get("auth")
+                request: dict[str, Any] | None = _receive(reader)
+                proof = request.get("auth") if request else None
                 if not isinstance(proof, str) or not hmac.compare_digest(
                     proof, _proof(self._token, nonce)
                 ):
                     raise ReplicaError("not authorised (the job's token does not match)")
-                op = request.get("op")
-                if op == "put":
-                    self._put(sock, reader, request)
-                elif op == "get":
-                    self._get(sock, request)
-                else:
-                    raise ReplicaError(f"unknown op {op!r} (put or get)")
+                while request is not None and not self._closed.is_set():
+                    op = request.get("op")
+                    if op == "put":
+                        self._put(sock, reader, request)
+                    elif op == "get":
+                        self._get(sock, request)
+                    elif op == "hello":  # a connection kept for the requests to come
+                        _send(sock, {"ok": True})
+                    else:
+                        raise ReplicaError(f"unknown op {op!r} (put, get or hello)")
+                    request = self._next(sock, reader, peer)
             except (ReplicaError, SegmentError, LookupError) as exc:
                 log.warning("replica request refused", peer=str(peer), error=str(exc))
                 with contextlib.suppress(OSError):
@@ -361,6 +404,19 @@ class ReplicaServer:
                 log.error("replica request failed", peer=str(peer), error=repr(exc))
                 with contextlib.suppress(OSError):
                     _send(sock, {"error": f"the server failed: {exc}"})
+
+    @staticmethod
+    def _next(sock: socket.socket, reader: BinaryIO, peer: Any) -> dict[str, Any] | None:
+        """The connection's next request; None when the peer closed it, or left it idle for
+        ``IDLE`` seconds (a sender copies once a step: it connects again if it comes back)."""
+        sock.settimeout(IDLE)
+        try:
+            return _receive(reader, end_ok=True)
+        except TimeoutError:
+            log.debug("replica connection idle: closed", peer=str(peer))
+            return None
+        finally:
+            sock.settimeout(TIMEOUT)
 
     def _put(self, sock: socket.socket, reader: BinaryIO, request: dict[str, Any]) -> None:
         round_ = _integer(request, "round")
@@ -509,6 +565,10 @@ class ReplicaSender:
         self._sent: dict[int, tuple[str, int, int, int]] = {}
         """local rank -> (buddy, round, step, seq) of its last copy."""
         self._open: dict[int, Segment] = {}
+        self._links: dict[int, tuple[ReplicaEndpoint, socket.socket, BinaryIO]] = {}
+        """local rank -> its connection to the buddy, proven once and kept."""
+        self._used: dict[int, float] = {}
+        """local rank -> when its connection last served a copy."""
         self._failing: dict[str, float] = {}
         """Buddies that refused or could not be reached -> when to try again."""
         self._stop = threading.Event()
@@ -535,9 +595,53 @@ class ReplicaSender:
         self._wake.set()
         for thread in self._threads:
             thread.join(timeout=TIMEOUT + 5)
+        for local_rank in list(self._links):
+            self._unlink(local_rank)
         for segment in self._open.values():
             segment.close()
         self._open.clear()
+
+    def _link(
+        self, local_rank: int, buddy: ReplicaEndpoint
+    ) -> tuple[socket.socket, BinaryIO, bool]:
+        """The rank's connection to ``buddy``, and whether it is the one kept (else a new one:
+        the buddy changed, the connection sat idle, or the last copy failed and dropped it)."""
+        link = self._links.get(local_rank)
+        idle = time.monotonic() - self._used.get(local_rank, 0.0)
+        self._used[local_rank] = time.monotonic()
+        if link is not None and link[0] == buddy and idle < LINK_IDLE:
+            return link[1], link[2], True
+        self._unlink(local_rank)
+        sock = _connect(buddy, self._token, None)
+        reader = sock.makefile("rb")
+        self._links[local_rank] = (buddy, sock, reader)
+        return sock, reader, False
+
+    def _ask(
+        self, local_rank: int, buddy: ReplicaEndpoint, request: dict[str, Any]
+    ) -> socket.socket:
+        """Send ``request`` and take the buddy's go-ahead, on the kept connection; once more on
+        a new one if the kept one turns out closed (the buddy restarted, or closed it idle)."""
+        sock, reader, kept = self._link(local_rank, buddy)
+        try:
+            _send(sock, request)
+            _receive(reader)
+            return sock
+        except (OSError, ReplicaError):
+            if not kept:
+                raise
+            self._unlink(local_rank)
+        sock, reader, _ = self._link(local_rank, buddy)
+        _send(sock, request)
+        _receive(reader)
+        return sock
+
+    def _unlink(self, local_rank: int) -> None:
+        link = self._links.pop(local_rank, None)
+        if link is not None:
+            with contextlib.suppress(OSError):
+                link[2].close()
+                link[1].close()
 
     def _run(self, local_rank: int) -> None:
         while not self._stop.is_set():
@@ -577,10 +681,12 @@ class ReplicaSender:
         if self._failing.get(buddy.node_id, 0.0) > time.monotonic():
             return
         try:
-            seconds = self._copy(segment, chosen, buddy, round_)
-        except _SavedOver:
-            return  # the newer step that wrote over it goes next
+            seconds = self._copy(local_rank, segment, chosen, buddy, round_)
+        except _SavedOver:  # the newer step that wrote over it goes next
+            self._unlink(local_rank)  # the buddy refused the copy and closed the connection
+            return
         except (ReplicaError, OSError, SegmentError) as exc:
+            self._unlink(local_rank)  # in an unknown state: the next copy connects anew
             if buddy.node_id not in self._failing:
                 log.warning(
                     "cannot copy a step to the buddy node; trying again",
@@ -601,7 +707,14 @@ class ReplicaSender:
             seconds=round(seconds, 4),
         )
 
-    def _copy(self, segment: Segment, info: SlotInfo, buddy: ReplicaEndpoint, round_: int) -> float:
+    def _copy(
+        self,
+        local_rank: int,
+        segment: Segment,
+        info: SlotInfo,
+        buddy: ReplicaEndpoint,
+        round_: int,
+    ) -> float:
         """One step of one rank to the buddy; the seconds it took. :class:`_SavedOver` when a
         save wrote over it meanwhile."""
         started = time.perf_counter()
@@ -616,14 +729,13 @@ class ReplicaSender:
             "capacity": segment.capacity,
             "source": self._node_id,
         }
-        with _connect(buddy, self._token, request) as sock:
-            reader = sock.makefile("rb")
-            _receive(reader)
-            digest = _stream(sock, segment, info, _Pace(self.max_bytes_per_second))
-            after = segment.info(info.slot)
-            intact = after.valid and after.seq == info.seq
-            _send(sock, {"xxh3": digest, "intact": intact})
-            if not intact:  # told, so that the buddy keeps nothing; the newer step goes next
-                raise _SavedOver(f"step {info.step} was saved over while it was sent")
-            _receive(reader)
+        sock = self._ask(local_rank, buddy, request)
+        reader = self._links[local_rank][2]
+        digest = _stream(sock, segment, info, _Pace(self.max_bytes_per_second))
+        after = segment.info(info.slot)
+        intact = after.valid and after.seq == info.seq
+        _send(sock, {"xxh3": digest, "intact": intact})
+        if not intact:  # told, so that the buddy keeps nothing; the newer step goes next
+            raise _SavedOver(f"step {info.step} was saved over while it was sent")
+        _receive(reader)
         return time.perf_counter() - started
