@@ -12,7 +12,7 @@ from planaria.master import recovery
 from planaria.master.runner import join_hold
 from planaria.master.state import JobState
 from planaria.protocol import CheckpointSpec, ReplicaSpec
-from support.master import AUTH, TOKEN, with_master
+from support.master import AUTH, TOKEN, post, with_master
 
 
 def test_bad_token_is_401_and_changes_nothing(tmp_path):
@@ -135,19 +135,14 @@ def test_a_crash_loop_counts_late_reports_and_not_rounds_that_stepped(tmp_path, 
     workers did not step."""
 
     async def body(master, session, url):
-        async def post(path: str, data: dict) -> dict:
-            async with session.post(url + path, json=data, headers=AUTH) as r:
-                assert r.status == 200, await r.text()
-                return await r.json()
-
         for i in range(2):
             reg = {"node_id": f"node-{i}", "host": f"local-{i}", "addr": "127.0.0.1", "pid": 1}
-            await post("/register", reg)
+            await post(session, url, "/register", reg)
 
         async def form_round() -> dict[int, str]:
             async def join(i: int) -> dict:
                 req = {"node_id": f"node-{i}", "addr": "127.0.0.1", "port": 40000 + i}
-                return await post("/rendezvous/join", req)
+                return await post(session, url, "/rendezvous/join", req)
 
             replies = await asyncio.gather(join(0), join(1))
             assert [r["state"] for r in replies] == ["ready", "ready"]
@@ -161,9 +156,9 @@ def test_a_crash_loop_counts_late_reports_and_not_rounds_that_stepped(tmp_path, 
             return {"node_id": node, "round": round_, "succeeded": False, "failure": failure}
 
         nodes = await form_round()
-        await post("/workers", failed(nodes[1], 1, 2))
+        await post(session, url, "/workers", failed(nodes[1], 1, 2))
         assert master.round == 2 and master.restarts == 1
-        await post("/workers", failed(nodes[0], 1, 0))  # late: round 2 is forming
+        await post(session, url, "/workers", failed(nodes[0], 1, 0))  # late: round 2 is forming
         assert master.restarts == 1 and not master.stopping
         assert await form_round() == nodes
         if rank_0_stepped:
@@ -171,12 +166,12 @@ def test_a_crash_loop_counts_late_reports_and_not_rounds_that_stepped(tmp_path, 
             progress = [{"local_rank": 0, "step": 0, "time": now, "first_step": 0}]
             beat = {"node_id": nodes[0], "round": 2, "activity": "running", "wait": False,
                     "progress": progress, "first_step_time": now}  # fmt: skip
-            await post("/heartbeat", beat)
-            await post("/workers", failed(nodes[1], 2, 2))
+            await post(session, url, "/heartbeat", beat)
+            await post(session, url, "/workers", failed(nodes[1], 2, 2))
             assert master.stopping
             assert master.reason.startswith("restart budget spent (1 of 1 restarts used)")
         else:
-            await post("/workers", failed(nodes[0], 2, 0))
+            await post(session, url, "/workers", failed(nodes[0], 2, 0))
             assert master.stopping
             assert master.reason.startswith(f"crash loop: rank 0 failed with {MISSING!r} twice")
         stopped = [e for e in master.timeline.events if e.kind.value == "job_stopped"]
@@ -303,8 +298,7 @@ def test_rank_0s_loss_is_sampled_at_each_heartbeat_that_brings_a_new_one(tmp_pat
             ]  # fmt: skip
             body = {"node_id": node, "round": 1, "activity": "running", "wait": False,
                     "progress": progress}  # fmt: skip
-            async with session.post(url + "/heartbeat", json=body, headers=AUTH) as r:
-                assert r.status == 200, await r.text()
+            await post(session, url, "/heartbeat", body)
 
         await beat(leader, 3, 2.5, 2)
         await beat(other, 3, 7.0, 3)
@@ -367,8 +361,7 @@ def test_rank_0s_tokens_are_counted_into_the_timeline_and_served_as_a_counter(
             ]  # fmt: skip
             body = {"node_id": node, "round": 1, "activity": "running", "wait": False,
                     "progress": progress}  # fmt: skip
-            async with session.post(url + "/heartbeat", json=body, headers=AUTH) as r:
-                assert r.status == 200, await r.text()
+            await post(session, url, "/heartbeat", body)
 
         await beat(leader, 3, 4 * 1024.0)
         await beat(other, 3, 8 * 1024.0)
@@ -453,8 +446,7 @@ def test_a_node_standing_by_is_held_until_the_next_round_opens_and_then_joins_it
         beat = {"node_id": leader, "round": info["round"], "activity": "running", "wait": False,
                 "progress": progress, "first_step_time": time.time()}  # fmt: skip
         asked = time.monotonic()
-        async with session.post(url + "/heartbeat", json=beat, headers=AUTH) as r:
-            assert r.status == 200, await r.text()
+        await post(session, url, "/heartbeat", beat)
         while len(master.nodes) < 4:
             assert time.monotonic() - asked < recovery.REFILL_WAIT / 2, "no refill"
             await asyncio.sleep(0.02)
@@ -472,14 +464,9 @@ def test_a_replica_is_planned_for_a_node_that_lost_its_memory_and_not_again_once
     replica = CheckpointSpec(storage={"backend": "local"}, replica=ReplicaSpec())
 
     async def body(master, session, url):
-        async def post(path: str, data: dict) -> dict:
-            async with session.post(url + path, json=data, headers=AUTH) as r:
-                assert r.status == 200, await r.text()
-                return await r.json()
-
         for i in range(2):
             reg = {"node_id": f"node-{i}", "host": f"local-{i}", "addr": f"10.0.0.{i}", "pid": 1}
-            await post("/register", reg)
+            await post(session, url, "/register", reg)
 
         def holding(local_rank: int, rank: int) -> dict:
             return {"local_rank": local_rank, "rank": rank, "world": 4, "steps": [6, 5]}
@@ -494,7 +481,7 @@ def test_a_replica_is_planned_for_a_node_that_lost_its_memory_and_not_again_once
                         "memory": own, "replica_port": 41000 + i, "replicas": kept}  # fmt: skip
 
             replies = await asyncio.gather(
-                *(post("/rendezvous/join", request(i)) for i in range(2))
+                *(post(session, url, "/rendezvous/join", request(i)) for i in range(2))
             )
             assert [r["state"] for r in replies] == ["ready", "ready"]
             return {f"node-{i}": r for i, r in enumerate(replies)}
@@ -515,7 +502,7 @@ def test_a_replica_is_planned_for_a_node_that_lost_its_memory_and_not_again_once
         assert first["node-0"]["directives"]["restore"] == "memory:6"  # its own memory
         assert first["node-1"]["directives"]["fetch"] == []
 
-        await post("/workers", failed(1, None))
+        await post(session, url, "/workers", failed(1, None))
         second = await form_round(memory=False)  # node-1's memory is gone
         directives = second["node-1"]["directives"]
         assert directives["restore"] == "memory:5"
@@ -526,7 +513,7 @@ def test_a_replica_is_planned_for_a_node_that_lost_its_memory_and_not_again_once
         ]
         assert second["node-0"]["directives"]["fetch"] == []
 
-        await post("/workers", failed(2, directives["fetch"][0]))
+        await post(session, url, "/workers", failed(2, directives["fetch"][0]))
         third = await form_round(memory=False)
         assert third["node-1"]["directives"]["restore"] == "storage"
         assert third["node-1"]["directives"]["fetch"] == []

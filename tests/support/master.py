@@ -92,3 +92,11 @@ async def with_master(
 
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+async def post(session: aiohttp.ClientSession, url: str, path: str, data: dict) -> Any:
+    """Play an agent's call to the master: ``data`` to ``path``, its JSON answer (which must
+    be a 200)."""
+    async with session.post(url + path, json=data, headers=AUTH) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()

@@ -72,7 +72,7 @@ def test_a_replaced_nodes_rank_restores_from_the_replica_a_survivor_keeps():
         replicas=replicas,
     )
     assert (done.restore, done.persist_step) == ("memory:12", 12)
-    assert done.fetches == (Fetch("node-1", 0, 1, "node-2"),)
+    assert done.fetches == (Fetch("node-1", 0, 1, "node-2", step=12),)
     assert done.why == "every rank holds step 12 in memory (rank 1 from node-2: replicas)"
 
     # The replica lags one step: the common step is the one it has.

@@ -823,7 +823,6 @@ class Master:
             return ReplicaEndpoint(node_id=node_id, addr=node.addr, port=node.replica_port)
 
         by_rank = {info.node_rank: n for n, info in world.items()}
-        step = int(plan.restore.partition(":")[2]) if plan.fetches else -1
         planned: dict[str, tuple[ReplicaEndpoint | None, list[ReplicaFetch]]] = {}
         for node_id, info in world.items():
             buddy = by_rank[(info.node_rank + 1) % len(world)]
@@ -836,7 +835,7 @@ class Master:
                     local_rank=fetch.local_rank,
                     rank=fetch.rank,
                     world=world[fetch.node_id].world_size,
-                    step=step,
+                    step=fetch.step,
                     holder=holder,
                 )
             )

@@ -12,19 +12,22 @@ it left, a changed world, a rank killed in the middle of its first save) restore
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planaria.protocol import MemoryHolding, RendezvousInfo, ReplicaHolding
 
 
 @dataclass(frozen=True)
 class Fetch:
-    """Node ``node_id`` copies ``rank`` (its ``local_rank``) from the replica ``holder`` keeps."""
+    """Node ``node_id`` copies ``rank`` (its ``local_rank``) at ``step`` from the replica
+    ``holder`` keeps."""
 
     node_id: str
     local_rank: int
     rank: int
     holder: str
+    step: int = -1
+    """The step restored (-1 until it is agreed)."""
 
 
 def agree(
@@ -73,6 +76,7 @@ def sources(
     if not common:
         return None, "the ranks hold no common step in memory", []
     step = max(common)
+    fetches = [replace(f, step=step) for f in fetches]
     why = f"every rank holds step {step} in memory"
     if fetches:
         copied = ", ".join(f"rank {f.rank} from {f.holder}" for f in fetches)

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from planaria.errors import SchedulerError
 from planaria.scheduler.api import LaunchSpec
-from planaria_kubernetes import KubernetesOptions, KubernetesScheduler
+from planaria_kubernetes import KubernetesOptions
 from planaria_kubernetes.options import TOPOLOGY_LABELS
 from planaria_kubernetes.scheduler import node_topology
 from planaria_kubernetes.testing import EmulatedCluster
@@ -64,18 +64,6 @@ def spec() -> LaunchSpec:
     return LaunchSpec(job="topo", command=SLEEP, run_id=f"topo-{uuid.uuid4().hex[:6]}")
 
 
-def scheduler(cluster: EmulatedCluster, **options: object) -> KubernetesScheduler:
-    return KubernetesScheduler(
-        KubernetesOptions(
-            image="planaria-test:1",
-            kubeconfig=str(cluster.kubeconfig),
-            namespace=cluster.namespace,
-            stop_grace=0.5,
-            **options,  # type: ignore[arg-type]
-        )
-    )
-
-
 def expected(host: str, wanted: dict[str, str]) -> dict[str, str]:
     return {name: LABELS[host][key] for name, key in wanted.items() if key in LABELS[host]}
 
@@ -85,7 +73,7 @@ def test_handles_carry_the_labels_of_the_kubernetes_node_of_their_pod(
 ) -> None:
     """Two pods go on two of the three nodes, the third is where the replacement goes: every
     node's labels are seen once, kube-c's none."""
-    k8s = scheduler(cluster)
+    k8s = cluster.scheduler()
     try:
         handles = k8s.launch(spec, 2)
         assert len({h.host for h in handles}) == 2, handles
@@ -109,7 +97,7 @@ def test_the_option_picks_which_node_labels_are_the_topology(
     cluster: EmulatedCluster, spec: LaunchSpec
 ) -> None:
     wanted = {"rack": "example.com/rack", "switch": SWITCH}
-    k8s = scheduler(cluster, topology_labels=wanted)
+    k8s = cluster.scheduler(topology_labels=wanted)
     try:
         handles = k8s.launch(spec, 3)
         assert {h.host: h.topology for h in handles} == {
@@ -127,7 +115,7 @@ def test_nodes_that_cannot_be_read_are_an_error_of_the_launch(
     """The scheduler watches the cluster's nodes (a NotReady node loses its pods; the labels
     come from the same watch): without the right to list them it cannot launch, and says why,
     before any pod is made."""
-    k8s = scheduler(cluster, request_timeout=2)
+    k8s = cluster.scheduler(request_timeout=2)
     cluster.forbid("list", "nodes")
     try:
         with pytest.raises(SchedulerError, match=r"cannot list the nodes .*Forbidden"):

@@ -33,18 +33,6 @@ def spec() -> LaunchSpec:
     return LaunchSpec(job="watch", command=SLEEP, run_id=f"watch-{uuid.uuid4().hex[:6]}")
 
 
-def scheduler(cluster: EmulatedCluster, **options: object) -> KubernetesScheduler:
-    return KubernetesScheduler(
-        KubernetesOptions(
-            image="planaria-test:1",
-            kubeconfig=str(cluster.kubeconfig),
-            namespace=cluster.namespace,
-            stop_grace=0.5,
-            **options,  # type: ignore[arg-type]
-        )
-    )
-
-
 def ends(k8s: KubernetesScheduler, count: int, timeout: float = 30) -> list[NodeEvent]:
     seen: list[NodeEvent] = []
     deadline = time.monotonic() + timeout
@@ -57,7 +45,7 @@ def ends(k8s: KubernetesScheduler, count: int, timeout: float = 30) -> list[Node
 def test_changes_made_while_the_watch_is_expired_are_all_reported(
     cluster: EmulatedCluster, spec: LaunchSpec
 ) -> None:
-    k8s = scheduler(cluster)
+    k8s = cluster.scheduler()
     try:
         killed, deleted = k8s.launch(spec, 2)
         informer = k8s._pods_informer
@@ -81,7 +69,7 @@ def test_changes_made_while_the_watch_is_expired_are_all_reported(
 def test_a_node_diagnosed_faulty_is_avoided_and_cordoned(
     cluster: EmulatedCluster, spec: LaunchSpec
 ) -> None:
-    k8s = scheduler(cluster, cordon=True)
+    k8s = cluster.scheduler(cordon=True)
     core = __import__("kubernetes").client.CoreV1Api(cluster.api())
     try:
         old, _ = k8s.launch(spec, 2)
@@ -104,14 +92,14 @@ def test_node_addresses_are_the_internal_ips_of_the_nodes_pods_may_go_to(
     reached (never an error)."""
     core = __import__("kubernetes").client.CoreV1Api(cluster.api())
     every = [cluster.node_address(n) for n in ("kube-a", "kube-b", "kube-c")]
-    assert sorted(scheduler(cluster).node_addresses()) == sorted(set(every))
+    assert sorted(cluster.scheduler().node_addresses()) == sorted(set(every))
     core.patch_node("kube-a", {"spec": {"unschedulable": True}})
     try:
-        assert sorted(scheduler(cluster).node_addresses()) == sorted(set(every[1:]))
+        assert sorted(cluster.scheduler().node_addresses()) == sorted(set(every[1:]))
     finally:
         core.patch_node("kube-a", {"spec": {"unschedulable": None}})
     selected = {"kubernetes.io/hostname": "kube-c"}
-    assert scheduler(cluster, node_selector=selected).node_addresses() == [every[2]]
+    assert cluster.scheduler(node_selector=selected).node_addresses() == [every[2]]
     broken = KubernetesOptions(image="planaria-test:1", kubeconfig=str(cluster.kubeconfig) + "x")
     assert KubernetesScheduler(broken).node_addresses() == []
 
@@ -119,7 +107,7 @@ def test_node_addresses_are_the_internal_ips_of_the_nodes_pods_may_go_to(
 def test_a_cordon_the_master_may_not_do_is_only_a_warning(
     cluster: EmulatedCluster, spec: LaunchSpec
 ) -> None:
-    k8s = scheduler(cluster, cordon=True)
+    k8s = cluster.scheduler(cordon=True)
     cluster.forbid("patch", "nodes")
     try:
         old, _ = k8s.launch(spec, 2)
@@ -141,7 +129,7 @@ def test_deleting_the_owner_deletes_the_job(cluster: EmulatedCluster, spec: Laun
     ref = OwnerRef(
         api_version="v1", kind="ConfigMap", name=owner.metadata.name, uid=owner.metadata.uid
     )
-    k8s = scheduler(cluster, owner=ref)
+    k8s = cluster.scheduler(owner=ref)
     try:
         (node,) = k8s.launch(spec, 1)
         pod = cluster.pod(pods.pod_name(spec, node.node_id))
@@ -160,7 +148,7 @@ def test_deleting_the_owner_deletes_the_job(cluster: EmulatedCluster, spec: Laun
 def test_pods_of_a_node_gone_not_ready_or_evicted_are_lost(
     cluster: EmulatedCluster, spec: LaunchSpec
 ) -> None:
-    k8s = scheduler(cluster)
+    k8s = cluster.scheduler()
     client = __import__("kubernetes").client
     core = client.CoreV1Api(cluster.api())
     try:
@@ -185,10 +173,10 @@ def test_pods_of_a_node_gone_not_ready_or_evicted_are_lost(
 def test_a_restarted_master_adopts_the_pods_and_sees_one_gone(
     cluster: EmulatedCluster, spec: LaunchSpec
 ) -> None:
-    first = scheduler(cluster)
+    first = cluster.scheduler()
     handles = first.launch(spec, 3)
     first._disconnect()  # the master died: its pods and Secret live on
-    second = scheduler(cluster)
+    second = cluster.scheduler()
     try:
         kept, gone, out = handles
         # The earlier master had declared `out` lost: the new one deletes its pod.
@@ -228,7 +216,7 @@ def test_deleting_the_master_s_pod_deletes_the_job(
         ),
     )
     monkeypatch.setenv("PLANARIA_POD_NAME", master.metadata.name)
-    k8s = scheduler(cluster)  # owner: auto
+    k8s = cluster.scheduler()  # owner: auto
     try:
         (node,) = k8s.launch(spec, 1)
         name = pods.pod_name(spec, node.node_id)
@@ -248,7 +236,7 @@ def test_a_replacement_with_no_other_node_free_goes_back_to_the_old_one(
 ) -> None:
     """One pod per node, every node taken: the replacement, kept off the old node while another
     could take it, finds none, and lands on the old node (not excluded) under its own id."""
-    k8s = scheduler(cluster, one_per_node=True)
+    k8s = cluster.scheduler(one_per_node=True)
     try:
         handles = k8s.launch(spec, 3)
         old = handles[0]
@@ -274,7 +262,7 @@ def test_a_replacement_no_node_can_take_is_an_error_and_leaves_no_pod(
 ) -> None:
     """One pod per node, every node taken, the old node excluded: the replacement cannot be
     scheduled, and the error names it and Kubernetes' reason; its pod is deleted."""
-    k8s = scheduler(cluster, one_per_node=True, schedule_timeout=1)
+    k8s = cluster.scheduler(one_per_node=True, schedule_timeout=1)
     try:
         old, *_ = k8s.launch(spec, 3)
         with pytest.raises(SchedulerError) as raised:

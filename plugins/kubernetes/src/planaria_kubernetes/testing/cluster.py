@@ -53,7 +53,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import kmock
 import kubernetes
@@ -61,6 +61,9 @@ import yaml
 
 from planaria.testing import netns
 from planaria_kubernetes.testing import semantics
+
+if TYPE_CHECKING:
+    from planaria_kubernetes import KubernetesScheduler
 from planaria_kubernetes.testing.apiserver import ApiServer
 from planaria_kubernetes.testing.kubelet import LOCALHOST, Kubelet
 from planaria_kubernetes.testing.scheduler import Scheduler
@@ -388,6 +391,16 @@ class EmulatedCluster:
                 self.store.mutate("pods", meta.get("namespace"), meta["name"], not_ready)
 
         self._call(change)
+
+    def scheduler(self, **options: Any) -> KubernetesScheduler:
+        """A scheduler of this cluster's namespace, through its kubeconfig (pods of image
+        ``planaria-test:1``, stopped with a grace of 0.5 s, unless ``options`` say otherwise)."""
+        from planaria_kubernetes import KubernetesOptions, KubernetesScheduler
+
+        settings: dict[str, Any] = {"image": "planaria-test:1", "stop_grace": 0.5, **options}
+        return KubernetesScheduler(
+            KubernetesOptions(kubeconfig=str(self.kubeconfig), namespace=self.namespace, **settings)
+        )
 
     def bad_image(self, image: str) -> None:
         """Pods with this image cannot pull it: ``ErrImagePull``, then ``ImagePullBackOff``."""
