@@ -15,8 +15,8 @@ local scheduler (2 nodes on this machine) as the baseline.
   through /proc by the trial's marker and ``PLANARIA_NODE_ID``), what a dying node does to them.
   The cluster gets a new raylet after each node loss, so every trial has its spare.
 - ``ray standby+replica`` (node loss only): the same on Ray with ``job.standby: 1`` (an actor
-  on each of the 3 worker raylets: one stands by, warm, and takes the lost node's place; a new
-  raylet joins just before the loss for the replacement) and ``checkpoint.replica`` (the node of
+  on 3 of the 4 worker raylets: one stands by, warm, and takes the lost node's place; the
+  fourth raylet, started just before the run, takes the replacement) and ``checkpoint.replica`` (the node of
   rank 0 keeps a copy of the lost node's newest saved step, which the node taking its place
   fetches: its ranks restore from memory, 0 steps redone).
 
@@ -97,6 +97,11 @@ def run(
     (work / "job.yaml").write_text(json.dumps(config))
 
     added: list[str] = []
+    if cluster is not None and node_loss and standby:
+        # Every worker raylet will hold an actor: the replacement needs a fresh one. It joins
+        # before the run, not at the loss: starting a raylet takes seconds of this machine's
+        # CPU, and the job could end before the loss struck.
+        added.append(cluster.add_node())
 
     def lose_node() -> float | None:
         if last_step(rank0_log(work)) < args.kill_at:
@@ -109,8 +114,6 @@ def run(
             return struck if kill_local_node(lost) else None
         (run_dir,) = work.glob("planaria-runs/*")
         victim = cluster.ray_node_of(run_dir, lost)
-        if standby:  # every worker raylet holds an actor: the replacement needs a fresh one
-            added.append(cluster.add_node())
         struck = time.time()
         cluster.kill_raylet(victim)
         return struck
