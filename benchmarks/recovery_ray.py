@@ -16,9 +16,10 @@ local scheduler (2 nodes on this machine) as the baseline.
   The cluster gets a new raylet after each node loss, so every trial has its spare.
 - ``ray standby+replica`` (node loss only): the same on Ray with ``job.standby: 1`` (an actor
   on 3 of the 4 worker raylets: one stands by, warm, and takes the lost node's place; the
-  fourth raylet, started just before the run, takes the replacement) and ``checkpoint.replica`` (the node of
-  rank 0 keeps a copy of the lost node's newest saved step, which the node taking its place
-  fetches: its ranks restore from memory, 0 steps redone).
+  fourth raylet, started just before the run, takes the replacement) and
+  ``checkpoint.replica`` (the node of rank 0 keeps a copy of the lost node's newest saved
+  step, which the node taking its place fetches: its ranks restore from memory, 0 steps
+  redone).
 
 MTTR: from the fault to the first step rank 0 logs after it resumed (as recovery_slurm.py);
 steps redone: the steps rank 0 had done by then that it did again.
