@@ -42,6 +42,7 @@ import contextlib
 import gc
 import json
 import os
+import random
 import resource
 import shutil
 import signal
@@ -58,7 +59,7 @@ if not __package__:  # run as ``python benchmarks/control_plane.py``: import thr
 from benchmarks.harness import exit_on_sigterm
 
 HERE = Path(__file__).resolve().parent
-HOLD = 1.0  # master.heartbeat_interval: how long the master holds a heartbeat's long poll
+HOLD = 1.0  # master.heartbeat_interval: how often each agent beats (--interval)
 SETTLE = 5.0
 """Seconds from the first round's end to the steady window: when a round forms, every agent
 is told ``ready`` at once and beats at once, a wave the master takes a few seconds to absorb at
@@ -94,14 +95,17 @@ class Rejected(Exception):
     pass
 
 
-class _Reply(asyncio.Protocol):
-    """The client side of one connection: collects each response (status, body) as it comes,
-    with no stream objects in between (the load generator must outrun the master)."""
+class _Frames(asyncio.Protocol):
+    """The client side of one agent's channel (a WebSocket, ``GET /v1/channel``): the upgrade,
+    then each reply (its ``re``, status and body bytes) handed to the request it answers, with
+    no stream objects in between (the load generator must outrun the master). Its frames are
+    masked with a zero key: valid on the wire, and no XOR to pay here."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.buffer = b""
-        self.waiter: asyncio.Future[tuple[int, bytes]] | None = None
+        self.upgraded: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiting: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -109,71 +113,116 @@ class _Reply(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
-        end = self.buffer.find(b"\r\n\r\n")
-        if end < 0:
-            return
-        head = self.buffer[:end]
-        at = head.find(b"Content-Length: ")
-        length = int(head[at + 16 : head.find(b"\r\n", at)]) if at >= 0 else 0
-        if len(self.buffer) < end + 4 + length:
-            return
-        body = self.buffer[end + 4 : end + 4 + length]
-        self.buffer = self.buffer[end + 4 + length :]
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result((int(head[9:12]), body))
+        if not self.upgraded.done():
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head, self.buffer = self.buffer[:end], self.buffer[end + 4 :]
+            if not head.startswith(b"HTTP/1.1 101"):
+                self.upgraded.set_exception(Rejected(head.split(b"\r\n", 1)[0].decode()))
+                return
+            self.upgraded.set_result(None)
+        buffer = self.buffer
+        while len(buffer) >= 2:
+            opcode, size, at = buffer[0] & 0x0F, buffer[1] & 0x7F, 2
+            if size == 126:
+                size, at = int.from_bytes(buffer[2:4], "big"), 4
+            elif size == 127:
+                size, at = int.from_bytes(buffer[2:10], "big"), 10
+            if len(buffer) < at + size:
+                break
+            payload, buffer = buffer[at : at + size], buffer[at + size :]
+            if opcode == 8 and self.transport is not None:  # closed by the master
+                self.transport.close()
+            elif opcode == 1:
+                re_at = payload.index(b":") + 1
+                seq = int(payload[re_at : payload.index(b",", re_at)])
+                status_at = payload.index(b'"status":') + 9
+                status = int(payload[status_at : status_at + 3])
+                body = payload[payload.index(b'"body":', status_at) + 7 : -1]
+                waiter = self.waiting.pop(seq, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result((status, body))
+        self.buffer = buffer
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_exception(ConnectionResetError("the master closed the connection"))
+        for waiter in self.waiting.values():
+            if not waiter.done():
+                waiter.set_exception(ConnectionResetError("the master closed the channel"))
+        self.waiting.clear()
+
+
+def _frame(payload: bytes) -> bytes:
+    size = len(payload)
+    if size < 126:
+        head = bytes((0x81, 0x80 | size))
+    elif size < 65536:
+        head = bytes((0x81, 0x80 | 126)) + size.to_bytes(2, "big")
+    else:
+        head = bytes((0x81, 0x80 | 127)) + size.to_bytes(8, "big")
+    return head + b"\0\0\0\0" + payload
 
 
 class Connection:
-    """One HTTP/1.1 keep-alive connection to the master, from a source address of its own."""
+    """One agent's channel to the master, from a source address of its own."""
 
     def __init__(self, host: str, port: int, token: str, source: str) -> None:
         self.host, self.port, self.source = host, port, source
-        self.head = (
-            f" HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {token}\r\n"
-            "Content-Type: application/json\r\nContent-Length: "
+        client = source.replace(".", "-")
+        self.upgrade = (
+            f"GET /v1/channel?client={client} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Authorization: Bearer {token}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            "Sec-WebSocket-Key: cGxhbmFyaWEtY2hhbm5lbA==\r\nSec-WebSocket-Version: 13\r\n\r\n"
         ).encode()
-        self.reply: _Reply | None = None
+        self.frames: _Frames | None = None
+        self.seq = 0
 
     async def post(self, path: str, body: dict[str, object]) -> tuple[int, dict[str, object]]:
         status, raw = await self.send(path, json.dumps(body, separators=(",", ":")).encode())
         return status, json.loads(raw) if raw else {}
 
     async def send(self, path: str, data: bytes) -> tuple[int, bytes]:
+        self.seq += 1
+        seq = self.seq
         for attempt in range(50):
             try:
-                if self.reply is None or self.reply.transport is None:
+                if self.frames is None or self.frames.transport is None:
                     loop = asyncio.get_running_loop()
-                    _, self.reply = await loop.create_connection(
-                        _Reply, self.host, self.port, local_addr=(self.source, 0)
+                    _, self.frames = await loop.create_connection(
+                        _Frames, self.host, self.port, local_addr=(self.source, 0)
                     )
-                reply = self.reply
-                assert reply.transport is not None
-                reply.waiter = asyncio.get_running_loop().create_future()
-                reply.transport.write(
-                    b"POST /v1%s%s%d\r\n\r\n%s" % (path.encode(), self.head, len(data), data)
+                    assert self.frames.transport is not None
+                    self.frames.transport.write(self.upgrade)
+                    await self.frames.upgraded
+                frames = self.frames
+                assert frames.transport is not None
+                waiter = frames.waiting[seq] = asyncio.get_running_loop().create_future()
+                # Every earlier reply came (``seen``) but those still waited for.
+                seen = min(frames.waiting)
+                frames.transport.write(
+                    _frame(
+                        b'{"seq":%d,"op":"%s","seen":%d,"body":%s}'
+                        % (seq, path.encode(), seen, data)
+                    )
                 )
-                return await reply.waiter
+                return await waiter
             except OSError:
                 self.close()
                 await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
         raise Rejected(f"{path}: no answer after 50 tries")
 
     def close(self) -> None:
-        if self.reply is not None and self.reply.transport is not None:
-            self.reply.transport.close()
-        self.reply = None
+        if self.frames is not None and self.frames.transport is not None:
+            self.frames.transport.close()
+        self.frames = None
 
 
 BEAT = (
     b'{"node_id":"%s","round":%d,"activity":"running","progress":[{"local_rank":0,"step":%d,'
-    b'"time":%.6f,"step_s":1.0,"busy_s":0.9,"first_step":1}],"wait":true}'
+    b'"time":%.6f,"step_s":1.0,"busy_s":0.9,"first_step":1}],"wait":false}'
 )
-"""A heartbeat as an agent sends it in a running round: its progress, and a long poll."""
+"""A heartbeat as an agent sends it in a running round: its progress."""
 
 
 @dataclass
@@ -186,10 +235,11 @@ class Agent:
     """Round -> when this agent was told ``ready`` in it."""
     joined_at: dict[int, float] = field(default_factory=dict)
     """Round -> when this agent first asked to join after the previous one ended."""
+    action_at: dict[int, float] = field(default_factory=dict)
+    """Round -> when the master's action (restart, exit) that ended it reached this agent."""
     silent: bool = False
     beats: list[tuple[float, float]] = field(default_factory=list)
-    """(answered, latency beyond the hold) of each heartbeat long poll that came back with
-    nothing (monotonic clock)."""
+    """(answered, latency) of each heartbeat (monotonic clock)."""
 
     async def register(self) -> None:
         body = {
@@ -228,23 +278,38 @@ class Agent:
                 return "exit"
 
     async def beat(self) -> str:
-        """Long-poll heartbeats with progress until the master sends an action."""
-        while not self.silent:
-            self.step += 1
-            body = BEAT % (self.node_id.encode(), self.round, self.step, time.time())
-            sent = time.monotonic()
-            status, raw = await self.conn.send("/heartbeat", body)
-            took = time.monotonic() - sent
-            if status == 410 or self.silent:
+        """Heartbeats with progress, one per interval (the first at a random time within it,
+        as agents do), until the master pushes an action."""
+        ask = b'{"node_id":"%s","round":%d}' % (self.node_id.encode(), self.round)
+        pushed = asyncio.ensure_future(self.conn.send("/actions", ask))
+        try:
+            await asyncio.wait({pushed}, timeout=random.random() * HOLD)
+            while not self.silent and not pushed.done():
+                self.step += 1
+                body = BEAT % (self.node_id.encode(), self.round, self.step, time.time())
+                sent = time.monotonic()
+                status, raw = await self.conn.send("/heartbeat", body)
+                took = time.monotonic() - sent
+                if status == 410 or self.silent:
+                    return "fenced"
+                if status != 200:
+                    raise Rejected(f"{self.node_id}: heartbeat answered {status}: {raw!r}")
+                self.beats.append((sent + took, took))
+                await asyncio.wait({pushed}, timeout=max(0.0, HOLD - took))
+            if self.silent:
+                return "silent"
+            status, raw = pushed.result()
+            if status == 410:
                 return "fenced"
             if status != 200:
-                raise Rejected(f"{self.node_id}: heartbeat answered {status}: {raw!r}")
-            if b'"kind":"none"' in raw:
-                self.beats.append((sent + took, max(0.0, took - HOLD)))
-                continue
-            action = json.loads(raw)["action"]
-            return str(action["kind"])
-        return "silent"
+                raise Rejected(f"{self.node_id}: actions answered {status}: {raw!r}")
+            kind = str(json.loads(raw)["action"]["kind"])
+            if kind == "none":  # woken for news of another kind: ask again
+                return await self.beat()
+            self.action_at[self.round] = time.time()
+            return kind
+        finally:
+            pushed.cancel()
 
     async def live(self) -> None:
         await self.register()
@@ -450,7 +515,13 @@ async def measure(n: int, beat_window: float, root: Path) -> dict[str, float | i
             raise Rejected(f"the failure report answered {status}: {reply}")
         await wait_for(lambda: all(2 in a.ready_at for a in agents), 300, "the restart round")
         restart_round_s = max(a.ready_at[2] for a in agents) - failed_at
-        say(n, f"restart round: {restart_round_s:.3f}s")
+        decided_at = min(float(e["time"]) for e in master.events("workers_restarted"))
+        pushed = sorted(a.action_at[1] - decided_at for a in agents)
+        say(
+            n,
+            f"restart round: {restart_round_s:.3f}s; the restart reached every agent "
+            f"{pushed[-1] * 1000:.0f} ms after the decision (p50 {pct(pushed, 0.5) * 1000:.0f})",
+        )
 
         # A node replacement: one agent falls silent; the master declares it lost and asks the
         # scheduler for another node, whose agent then starts (as the scheduler would start it).
@@ -482,6 +553,8 @@ async def measure(n: int, beat_window: float, root: Path) -> dict[str, float | i
             "startup_s": round(startup_s, 3),
             "round_s": round(round_s, 3),
             "restart_round_s": round(restart_round_s, 3),
+            "action_all_ms": round(pushed[-1] * 1000, 1),
+            "action_p50_ms": round(pct(pushed, 0.5) * 1000, 1),
             "replace_s": round(done_at - lost_at, 3),
             "replace_total_s": round(done_at - silent_at, 3),
             "heartbeats_per_s": round(rate, 1),
@@ -507,8 +580,17 @@ def main() -> None:
     parser.add_argument(
         "--beat-window", type=float, default=10.0, help="seconds of steady heartbeats measured"
     )
+    parser.add_argument(
+        "--interval",
+        type=float,
+        default=1.0,
+        help="master.heartbeat_interval, seconds (docs/control-plane.md: 3 at 30,000 agents); "
+        "the heartbeat timeout is 5 intervals",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the masters' run directories")
     args = parser.parse_args()
+    global HOLD, TIMEOUT
+    HOLD, TIMEOUT = args.interval, 5 * args.interval
     # Stopped from outside: the masters are stopped on the way out (finally), not left behind.
     exit_on_sigterm()
     _raise_open_files()
@@ -556,6 +638,7 @@ def main() -> None:
                     "agents",
                     "round_s",
                     "restart_round_s",
+                    "action_all_ms",
                     "heartbeat_p99_ms",
                     "after_round_p99_ms",
                     "master_cpu_per_s",

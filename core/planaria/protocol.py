@@ -302,7 +302,16 @@ class Heartbeat(Message):
     first_step_time: float | None = None
     """When this node's first worker completed its first step in this round."""
     wait: bool = True
-    """Hold the request until an action is due (long poll), or answer at once."""
+    """Hold the request until an action is due (a long poll over HTTP, as agents before the
+    channel did), or answer at once (agents on the channel ask ``/actions`` for that)."""
+
+
+class ActionRequest(Message):
+    """The node's next action, asked on the channel: answered when the master decides it."""
+
+    node_id: str
+    round: int
+    """The round the node runs (or last ran)."""
 
 
 class Action(Message):

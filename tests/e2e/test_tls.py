@@ -32,7 +32,7 @@ from planaria.master.job import Master
 from planaria.master.runner import supervise
 from planaria.master.server import make_app, serve
 from planaria.master.tls import CertificateError, job_certificate, server_context
-from planaria.protocol import API_PREFIX, FINGERPRINT_ENV, JobStatus
+from planaria.protocol import API_PREFIX, FINGERPRINT_ENV, Heartbeat, HeartbeatReply
 from planaria.scheduler.api import LaunchSpec
 from planaria.scheduler.local import LocalOptions, LocalScheduler
 from planaria.testing.jobs import EXAMPLE, events, job, planaria_command
@@ -102,13 +102,17 @@ async def with_tls_master(tmp_path: Path, body, host: str = "127.0.0.1") -> None
         master.timeline.close()
 
 
+NOBODY = Heartbeat(node_id="nobody", round=0, activity="idle", wait=False)
+
+
 def test_the_pinned_certificate_is_trusted_and_a_wrong_pin_refused_at_once(tmp_path):
     async def body(port, fingerprint):
         url = f"https://127.0.0.1:{port}"
         good = MasterClient(url, TOKEN, fingerprint=fingerprint)
         try:
-            status = await good.call("/status", None, JobStatus)
-            assert status.job == "api"
+            # Answered over the pinned channel: the master does not know this node.
+            with pytest.raises(MasterRejected, match="404 to /heartbeat: unknown node 'nobody'"):
+                await good.call("/heartbeat", NOBODY, HeartbeatReply)
         finally:
             await good.close()
         wrong = "ab" * 32
@@ -116,7 +120,7 @@ def test_the_pinned_certificate_is_trusted_and_a_wrong_pin_refused_at_once(tmp_p
         started = time.monotonic()
         try:
             with pytest.raises(MasterRejected) as refused:
-                await bad.call("/status", None, JobStatus)
+                await bad.call("/heartbeat", NOBODY, HeartbeatReply)
         finally:
             await bad.close()
         assert time.monotonic() - started < 2  # not retried as if the master were away

@@ -1,6 +1,6 @@
-"""The agent's side of the master API: typed requests, retries while the master is
-unreachable, re-attaching to a restarted master, and a clear error once the master has been
-gone for longer than the grace.
+"""The agent's side of the master API: typed requests over the agent's channel
+(:mod:`planaria.agent.channel`), retries while the master is unreachable, re-attaching to a
+restarted master, and a clear error once the master has been gone for longer than the grace.
 
 Over ``https`` the agent trusts one certificate only, the job's, by its SHA-256 fingerprint:
 no certificate authority is consulted, and a server that shows another certificate is refused
@@ -17,9 +17,10 @@ from urllib.parse import urlparse
 import aiohttp
 from pydantic import BaseModel
 
+from planaria.agent.channel import Channel, ChannelRefused
 from planaria.errors import PlanariaError
 from planaria.log import get_logger
-from planaria.protocol import API_PREFIX, FINGERPRINT_ENV
+from planaria.protocol import FINGERPRINT_ENV
 
 R = TypeVar("R", bound=BaseModel)
 
@@ -93,23 +94,48 @@ class MasterClient:
         self.token = token
         self.give_up_after = give_up_after
         self._ssl = _pin(self.url, fingerprint)
-        self.read_timeout: float | None = None
-        """The longest a reply may keep silent: a master cut off by the network sends
-        nothing, and only this ends the request (then tried again, within the grace)."""
         self.reattach: Callable[[], Awaitable[None]] | None = None
         self._unreachable_since: float | None = None
         self._session = aiohttp.ClientSession(
             headers={"Authorization": f"Bearer {token}"},
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
         )
+        self.channel = Channel(self._session, self.url, True if self._ssl is None else self._ssl)
 
-    async def call(self, path: str, body: BaseModel | None, reply: type[R]) -> R:
+    @property
+    def read_timeout(self) -> float:
+        """The longest the master may keep silent: a master cut off by the network sends
+        nothing, and only the channel's pings notice (its requests are then tried again, within
+        the grace)."""
+        return self.channel.ping * 1.5
+
+    @read_timeout.setter
+    def read_timeout(self, seconds: float) -> None:
+        self.channel.ping = seconds / 1.5
+
+    async def call(self, path: str, body: BaseModel, reply: type[R]) -> R:
+        """Ask the master ``path`` (a node route, such as ``/heartbeat``) with ``body``: its
+        reply, once the master answers (through outages within the grace). A try that the
+        channel lost is sent again under its sequence number (the master serves it once); a
+        try the master answered "not now" (re-attach first, not yet) is a new request."""
+        ticket = [self.channel.number()]  # the try's sequence number
+        try:
+            return await self._call(ticket, path, body.model_dump_json(), reply)
+        finally:
+            self.channel.done(ticket[0])
+
+    async def _call(self, ticket: list[int], path: str, body: str, reply: type[R]) -> R:
         delay = 0.05
         asked = time.monotonic()
         while True:
             try:
-                status, text = await self._request(path, body)
+                status, answer = await self.channel.ask(ticket[0], path, body)
                 self._reached()
+                if status in (409, 503):  # answered: a try again is a new request
+                    self.channel.done(ticket[0])
+                    ticket[0] = self.channel.number()
+                text = answer.get("error", "") if isinstance(answer, dict) else ""
+                text = text or str(answer)
                 if status == 409 and self.reattach is not None and path != "/reattach":
                     log.info("the master asks this node to re-attach")
                     await self.reattach()
@@ -120,7 +146,12 @@ class MasterClient:
                     raise _NotYet(text)
                 if status != 200:
                     raise MasterRejected(f"master answered {status} to {path}: {text}")
-                return reply.model_validate_json(text)
+                return reply.model_validate(answer)
+            except ChannelRefused as exc:
+                raise MasterRejected(
+                    f"the master at {self.url} refused this agent's channel ({exc.status}): "
+                    f"{exc} (a wrong token, or a master of an older planaria)"
+                ) from None
             except aiohttp.ServerFingerprintMismatch as exc:
                 raise MasterRejected(
                     f"the server at {self.url} is not this job's master: its certificate's "
@@ -136,22 +167,6 @@ class MasterClient:
                 self._unreached(exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, MAX_DELAY)
-
-    async def _request(self, path: str, body: BaseModel | None) -> tuple[int, str]:
-        ssl = True if self._ssl is None else self._ssl
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.read_timeout)
-        if body is None:
-            request = self._session.get(f"{self.url}{API_PREFIX}{path}", ssl=ssl, timeout=timeout)
-        else:
-            request = self._session.post(
-                f"{self.url}{API_PREFIX}{path}",
-                data=body.model_dump_json(),
-                headers={"Content-Type": "application/json"},
-                ssl=ssl,
-                timeout=timeout,
-            )
-        async with request as response:
-            return response.status, await response.text()
 
     def _reached(self) -> None:
         if self._unreachable_since is not None:
@@ -174,4 +189,5 @@ class MasterClient:
             ) from exc
 
     async def close(self) -> None:
+        await self.channel.close()
         await self._session.close()

@@ -53,6 +53,7 @@ from planaria.progress import ProgressBoard
 from planaria.protocol import (
     Ack,
     Action,
+    ActionRequest,
     ChaosReport,
     Heartbeat,
     HeartbeatReply,
@@ -443,8 +444,18 @@ class Agent:
         )
 
     async def _heartbeats(self, state: _RoundState) -> Action:
-        reply = await self.client.call("/heartbeat", self._beat(state, wait=True), HeartbeatReply)
-        return reply.action
+        """The master's next action, pushed down the channel the moment it decides it; its
+        progress goes up meanwhile, a heartbeat each ``heartbeat_interval``."""
+        request = ActionRequest(node_id=self.node_id, round=state.info.round)
+        pushed = asyncio.ensure_future(self.client.call("/actions", request, HeartbeatReply))
+        try:
+            while True:
+                await self.client.call("/heartbeat", self._beat(state, wait=False), HeartbeatReply)
+                done, _ = await asyncio.wait({pushed}, timeout=self.spec.heartbeat_interval)
+                if done:
+                    return pushed.result().action
+        finally:
+            pushed.cancel()
 
     async def _watch(self, group: WorkerGroup, state: _RoundState, restart_count: int) -> None:
         """Notice the first step (to time recovery), hangs and step times, and fire agent-side

@@ -72,7 +72,14 @@ def parse(raw: bytes, model: type[M]) -> M:
         data = pydantic_core.from_json(raw, allow_inf_nan=False)
     except ValueError as exc:
         raise BadRequest(invalid(f"invalid {model.__name__}", [f"<body>: {exc}"])) from None
-    if not may_overflow(raw):  # no number can have become infinite: as agents send it
+    return validate(data, model, raw)
+
+
+def validate(data: Any, model: type[M], raw: bytes | str) -> M:
+    """``data``, a body as JSON parsed it out of ``raw`` (the body, or a message that holds
+    it), read strictly as ``model`` says; BadRequest (400) naming what is wrong."""
+    if not may_overflow(raw if isinstance(raw, bytes) else raw.encode()):
+        # No number can have become infinite: as agents send it.
         try:
             return model.model_validate(data, strict=True)
         except ValidationError:

@@ -270,10 +270,11 @@ class Fleet:
     # -- heartbeats ---------------------------------------------------------------------------
 
     def wait_for_action(
-        self, node: Node, hold: float, *, stopping: bool
+        self, node: Node, hold: float | None, *, stopping: bool
     ) -> asyncio.Future[None] | None:
-        """What a node's long poll waits for: an action for it, at most ``hold`` seconds; None
-        when there is one already (or the job is stopping). :meth:`next_action` takes it."""
+        """What a node's wait for its next action waits for: an action for it, at most ``hold``
+        seconds (None: no limit); None when there is one already (or the job is stopping).
+        :meth:`next_action` takes it."""
         if node.action is not None or stopping:
             return None
         node.wake.clear()

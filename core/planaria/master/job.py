@@ -58,8 +58,10 @@ from planaria.master.timeline import Timeline, last_steps, last_tokens
 from planaria.master.tokens import TokenCount
 from planaria.protocol import (
     Action,
+    ActionRequest,
     CheckpointEvent,
     Heartbeat,
+    HeartbeatReply,
     JobSpec,
     JobStatus,
     JoinReply,
@@ -558,6 +560,15 @@ class Master:
         if waiting is None:
             return self._next_action(node)
         return Deferred(waiting, lambda: self._next_action(node))
+
+    def next_action_for(self, request: ActionRequest) -> HeartbeatReply | Deferred[HeartbeatReply]:
+        """A node's next action, answered the moment one is due (the channel's ``/actions``):
+        no time limit, as the channel is watched by its own pings."""
+        node = self.heard_from(request.node_id)
+        waiting = self.fleet.wait_for_action(node, None, stopping=self.state.terminal)
+        if waiting is None:
+            return HeartbeatReply(action=self._next_action(node))
+        return Deferred(waiting, lambda: HeartbeatReply(action=self._next_action(node)))
 
     def _next_action(self, node: Node) -> Action:
         action = self.fleet.next_action(node)

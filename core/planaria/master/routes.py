@@ -27,6 +27,7 @@ from planaria.protocol import (
     API_PREFIX,
     Ack,
     Action,
+    ActionRequest,
     BindReply,
     BindRequest,
     ChaosReport,
@@ -88,11 +89,9 @@ class Route:
     media_type: str = JSON
     """The reply's media type. Other than JSON, the reply model is a string's (a
     ``RootModel[str]``), served as it is."""
-    hot: bool = False
-    """Sent by every node all the time (the heartbeat), or by all of them at once (a round's
-    joins): the server reads and answers it at the byte level when it comes whole and plain
-    (:mod:`planaria.master.wire`), the same way, at a fraction of the cost. Only for a JSON
-    route with a body that needs the token."""
+    channel: bool = False
+    """Served on the agents' channel too (:mod:`planaria.master.channel`), where agents send
+    it: a node's request, with a JSON body."""
 
     @property
     def operation_id(self) -> str:
@@ -151,6 +150,7 @@ ROUTES: tuple[Route, ...] = (
         "An agent registers its node (launched by the scheduler) and gets the job's spec",
         lambda c, body: RegisterReply(spec=c.master.register(body)),
         errors=(403, 503),
+        channel=True,
     ),
     Route(
         "POST",
@@ -160,26 +160,28 @@ ROUTES: tuple[Route, ...] = (
         "An agent tells a restarted master what its node runs, to go on with it",
         lambda c, body: c.master.reattach(body),
         errors=(UNKNOWN_NODE, 403, FENCED),
+        channel=True,
     ),
     Route(
         "POST",
         f"{API_PREFIX}/rendezvous/join",
         JoinRequest,
         JoinReply,
-        "Join the next round (a long poll): ready with ranks, wait, or exit",
+        "Join the next round: ready with ranks once it closes, wait (ask again), or exit",
         lambda c, body: c.master.join(body, c.join_hold),
         errors=NODE,
-        hot=True,
+        channel=True,
     ),
     Route(
         "POST",
         f"{API_PREFIX}/heartbeat",
         Heartbeat,
         HeartbeatReply,
-        "A node's progress; with wait, held until an action is due (a long poll)",
+        "A node's progress; with wait (agents before the channel), held until an action is "
+        "due (a long poll)",
         _heartbeat,
         errors=NODE,
-        hot=True,
+        channel=True,
     ),
     Route(
         "POST",
@@ -189,6 +191,7 @@ ROUTES: tuple[Route, ...] = (
         "A node's workers all succeeded, or the first of them failed",
         acked(lambda c, report: c.master.workers_report(report)),
         errors=REPORT,
+        channel=True,
     ),
     Route(
         "POST",
@@ -198,6 +201,7 @@ ROUTES: tuple[Route, ...] = (
         "Lines a node's workers wrote, for the planaria run console",
         acked(lambda c, report: c.master.worker_output(report)),
         errors=REPORT,
+        channel=True,
     ),
     Route(
         "POST",
@@ -207,6 +211,7 @@ ROUTES: tuple[Route, ...] = (
         "A fault injected on purpose is about to fire on a node",
         acked(lambda c, report: c.master.diagnosis.chaos(report)),
         errors=NODE,
+        channel=True,
     ),
     Route(
         "POST",
@@ -216,6 +221,7 @@ ROUTES: tuple[Route, ...] = (
         "What a node's persister did, or what a worker's restore found",
         acked(lambda c, event: c.master.checkpoint_event(event)),
         errors=REPORT,
+        channel=True,
     ),
     Route(
         "POST",
@@ -225,6 +231,7 @@ ROUTES: tuple[Route, ...] = (
         "Ranks of a node made no step progress within the hang timeout",
         acked(lambda c, report: c.master.diagnosis.hang(report)),
         errors=NODE,
+        channel=True,
     ),
     Route(
         "POST",
@@ -234,6 +241,7 @@ ROUTES: tuple[Route, ...] = (
         "A node failed its health checks before a round: it asks to be replaced",
         acked(lambda c, report: c.master.diagnosis.unhealthy(report)),
         errors=NODE,
+        channel=True,
     ),
     Route(
         "POST",
@@ -243,6 +251,7 @@ ROUTES: tuple[Route, ...] = (
         "What a node does next in the pre-flight node check (a long poll)",
         lambda c, poll: c.master.preflight.next(poll, c.hold),
         errors=NODE,
+        channel=True,
     ),
     Route(
         "POST",
@@ -252,6 +261,7 @@ ROUTES: tuple[Route, ...] = (
         "A node's result of one pre-flight benchmark run",
         acked(lambda c, result: c.master.preflight.result(result)),
         errors=NODE,
+        channel=True,
     ),
     Route(
         "GET",
@@ -294,3 +304,18 @@ ROUTES: tuple[Route, ...] = (
         public=True,
     ),
 )
+
+CHANNEL_ROUTES: tuple[Route, ...] = (
+    Route(
+        "POST",
+        f"{API_PREFIX}/actions",
+        ActionRequest,
+        HeartbeatReply,
+        "The node's next action (start a round, restart, exit), answered the moment the master "
+        "decides it; 410 once the node is fenced. Only on the channel: it has no time limit",
+        lambda c, body: c.master.next_action_for(body),
+        errors=NODE,
+        channel=True,
+    ),
+)
+"""The channel's own requests (:mod:`planaria.master.channel`), not served over plain HTTP."""

@@ -40,6 +40,7 @@ from planaria.master import scale
 from planaria.master.advertise import Advertised, AdvertiseError, choose, is_wildcard, url_host
 from planaria.master.binding import prover
 from planaria.master.claim import TOKEN_FILE, lock_run_dir, read_token, write_token
+from planaria.master.guard import Listener
 from planaria.master.job import Master
 from planaria.master.journal import NAME as JOURNAL_FILE
 from planaria.master.journal import (
@@ -198,7 +199,7 @@ async def _serve(
     run_dir: Path,
     port: int | None = None,
     tls: ssl.SSLContext | None = None,
-) -> tuple[web.AppRunner, int]:
+) -> tuple[Listener, int]:
     """Serve the API (on ``port``, or the configured one; over TLS with ``tls``). An address
     or port this machine cannot give is the config's problem; a new run that could not start
     leaves nothing behind, its directory included."""

@@ -10,8 +10,8 @@ connections.
 
 The parts around it, each an idea of its own: the connection guard (:mod:`planaria.master.guard`),
 a body read and parsed (:mod:`planaria.master.body`), the answers and refusals
-(:mod:`planaria.master.responses`) and the hot routes' byte-level path
-(:mod:`planaria.master.hot`). This module makes the app from the route table and serves it."""
+(:mod:`planaria.master.responses`) and the agents' channel (:mod:`planaria.master.channel`).
+This module makes the app from the route table and serves it, on aiohttp's public API only."""
 
 from __future__ import annotations
 
@@ -21,19 +21,20 @@ import ssl
 from collections.abc import Awaitable, Callable, Collection, Sequence
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
 from pydantic import RootModel
 
+from planaria.master import channel
 from planaria.master.body import read_body
-from planaria.master.guard import BOOK, LIMITS, Connections, GuardedSite, ServerLimits
-from planaria.master.hot import AIOHTTP_STATE, Hot
+from planaria.master.guard import BOOK, LIMITS, Connections, Listener, ServerLimits
 from planaria.master.job import Master
 from planaria.master.metrics import JobMetrics
 from planaria.master.responses import BadRequest, error, json_response, refusal
-from planaria.master.routes import JSON, ROUTES, Context, Route
+from planaria.master.routes import CHANNEL_ROUTES, JSON, ROUTES, Context, Route
 from planaria.master.state import Deferred
 
-__all__ = ["BOOK", "LIMITS", "BadRequest", "ServerLimits", "make_app", "serve"]
+__all__ = ["BOOK", "CHANNELS", "LIMITS", "BadRequest", "ServerLimits", "make_app", "serve"]
+
+CHANNELS: web.AppKey[channel.Channels] = web.AppKey("channels", channel.Channels)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -139,25 +140,28 @@ def make_app(
     )
     for route in routes:
         app.router.add_route(route.method, route.path, _handler(route, context))
-    hot = [r for r in routes if r.hot and r.request is not None and r.media_type == JSON]
-    if hot and all(hasattr(RequestHandler, name) for name in AIOHTTP_STATE):
-        app[BOOK].hot = Hot(
-            [r for r in hot if (r.method, r.path) not in public], context, expected, limits
-        )
+    channels = channel.Channels([r for r in (*routes, *CHANNEL_ROUTES) if r.channel], context)
+    app[CHANNELS] = channels
+    app.router.add_get(channel.PATH, channels.serve)
+
+    async def close_channels(_: web.Application) -> None:
+        await channels.close_all()
+
+    app.on_shutdown.append(close_channels)
     return app
 
 
 async def serve(
     app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None
-) -> tuple[web.AppRunner, int]:
-    """Start serving, over TLS with ``ssl_context``; returns the runner
-    (``await runner.cleanup()`` to stop) and the port."""
+) -> tuple[Listener, int]:
+    """Start serving, over TLS with ``ssl_context``; returns the server
+    (``await server.cleanup()`` to stop) and the port."""
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
-    site = GuardedSite(runner, host, port, app[BOOK], ssl_context)
+    listener = Listener(runner, app[BOOK], ssl_context)
     try:
-        await site.start()
+        await listener.start(host, port)
     except BaseException:
         await runner.cleanup()
         raise
-    return runner, site.bound_port
+    return listener, listener.port

@@ -84,10 +84,10 @@ class Wake:
     def clear(self) -> None:
         self._set = False
 
-    def waiter(self, timeout: float) -> asyncio.Future[None] | None:
-        """A future done once set, or after at most ``timeout`` seconds; None when it is set
-        already or ``timeout`` is up. Cancelling it only stops the wait."""
-        if self._set or timeout <= 0:
+    def waiter(self, timeout: float | None) -> asyncio.Future[None] | None:
+        """A future done once set, or after at most ``timeout`` seconds (None: no limit); None
+        when it is set already or ``timeout`` is up. Cancelling it only stops the wait."""
+        if self._set or (timeout is not None and timeout <= 0):
             return None
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
@@ -98,7 +98,8 @@ class Wake:
             self._waiters = [w for w in self._waiters if not w.done()]
             self._prune_at = 2 * len(self._waiters) + 2
         self._waiters.append(waiter)
-        _deadlines(loop).add(loop, loop.time() + timeout, waiter)
+        if timeout is not None:
+            _deadlines(loop).add(loop, loop.time() + timeout, waiter)
         return waiter
 
     async def wait(self, timeout: float) -> bool:

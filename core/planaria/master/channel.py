@@ -1,0 +1,294 @@
+"""The agents' channel: one WebSocket per agent (``GET /v1/channel``), on aiohttp's public API.
+
+An agent sends its requests up the channel as text messages, each the JSON object
+``{"seq": N, "op": PATH, "body": {...}, "seen": M}``: ``op`` names a node route of the API
+(:data:`planaria.master.routes.ROUTES`, such as ``/heartbeat``) or one of the channel's own
+(:data:`planaria.master.routes.CHANNEL_ROUTES`, ``/actions``), and ``body`` is that route's
+request model, read as strictly as over HTTP. The master answers each one with
+``{"re": N, "status": S, "body": {...}}``: the reply the route's HTTP form answers, with the same
+status (200, or an error such as 409 "re-attach first" and 410 "fenced", whose body is the
+error's JSON).
+
+- **Pushed, not polled.** A request may be answered later: ``/actions`` (the node's next
+  action: start a round, restart, exit, or a 410 when it is fenced) is answered the moment the
+  master decides it, a join when its round closes. No request is held by a timer; the agent's
+  heartbeats carry only its progress.
+- **After the journal.** A reply is sent once what its request changed is in the journal (the
+  replies of one turn of the loop share one write), as over HTTP.
+- **Idempotent by sequence number.** ``seq`` counts up per client (``?client=ID`` in the URL,
+  one per agent process). The master keeps each request's reply until the agent says it has it
+  (``seen``: every reply below ``M`` arrived); a request sent again, on a new connection after
+  the old one dropped, gets the reply kept for its ``seq`` (or waits for the same answer) and is
+  not served twice. ``{"cancel": N}`` gives a request up.
+
+A message that is not of this form gets an error reply (``re`` null when its ``seq`` cannot be
+read) and closes the channel with code 1008; the rest of the API is unaffected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import re
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pydantic_core
+from aiohttp import WSCloseCode, WSMsgType, web
+from pydantic import BaseModel
+
+from planaria.log import get_logger
+from planaria.master.body import validate
+from planaria.master.guard import LIMITS
+from planaria.master.responses import BadRequest, error, refusal
+from planaria.master.routes import Context, Route
+from planaria.master.state import Deferred
+from planaria.protocol import API_PREFIX, ApiError
+
+log = get_logger("master")
+
+PATH = f"{API_PREFIX}/channel"
+CLIENT = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+"""What a client id may be: an agent makes one (a random hex string) per process."""
+KEPT_CLIENTS = 200_000
+"""Clients whose unconfirmed replies are kept, the least recently heard from forgotten first:
+every agent of the largest job, and every agent replaced during it."""
+KEPT_REPLIES = 256
+"""Unconfirmed replies kept per client: an agent has a few requests in flight at most."""
+SEND_AT_ONCE = 1 << 15
+"""A connection whose kernel buffer holds more than this many bytes gets its replies from a
+task of its own, so that one slow reader cannot hold up the replies to the others."""
+
+
+@dataclass(eq=False)
+class _Asked:
+    """One request of a client, by its ``seq``: its reply once there is one."""
+
+    reply: str | None = None
+    waiting: list[web.WebSocketResponse] = field(default_factory=list)
+    """Connections that asked for it before it was answered."""
+    given_up: bool = False
+
+
+class _Client:
+    __slots__ = ("asked",)
+
+    def __init__(self) -> None:
+        self.asked: dict[int, _Asked] = {}
+
+    def seen(self, below: int) -> None:
+        """The client has every reply below ``below``: forget them."""
+        if self.asked and min(self.asked) < below:
+            for seq in [s for s in self.asked if s < below]:
+                del self.asked[seq]
+
+
+class Channels:
+    """The channel's state in one master: its clients' kept replies, its open connections,
+    and the outbox of the replies given after their request came (a round closed, an action
+    decided), sent together after one journal write."""
+
+    def __init__(self, routes: Sequence[Route], context: Context) -> None:
+        self.ops: Mapping[str, Route] = {r.path.removeprefix(API_PREFIX): r for r in routes}
+        self.context = context
+        self.clients: OrderedDict[str, _Client] = OrderedDict()
+        self.open: dict[web.WebSocketResponse, asyncio.Transport | None] = {}
+        """The open channels, and the transport each one is on."""
+        self._outbox: list[tuple[web.WebSocketResponse, int, str]] = []
+        self._flushing: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Future[None]] = set()
+        self.pushed = 0
+        """Replies sent after their request came: actions pushed, rounds closed."""
+
+    def client(self, client_id: str) -> _Client:
+        found = self.clients.get(client_id)
+        if found is None:
+            found = self.clients[client_id] = _Client()
+            if len(self.clients) > KEPT_CLIENTS:
+                self.clients.popitem(last=False)
+        else:
+            self.clients.move_to_end(client_id)
+        return found
+
+    async def serve(self, request: web.Request) -> web.StreamResponse:
+        client_id = request.query.get("client", "")
+        if not CLIENT.fullmatch(client_id):
+            raise BadRequest(
+                error(400, f"GET {PATH} needs ?client=ID (1 to 64 of A-Z a-z 0-9 _ . -)")
+            )
+        ws = web.WebSocketResponse(
+            max_msg_size=request.app[LIMITS].max_request_bytes, compress=False
+        )
+        await ws.prepare(request)
+        client = self.client(client_id)
+        transport = request.transport
+        self.open[ws] = transport if isinstance(transport, asyncio.Transport) else None
+        try:
+            async for message in ws:
+                if message.type is not WSMsgType.TEXT:
+                    await self._refuse(ws, None, "a channel message is a JSON text message")
+                    break
+                if not await self._take(ws, client, message.data):
+                    break
+        finally:
+            self.open.pop(ws, None)
+        return ws
+
+    async def close_all(self) -> None:
+        """Close every open channel (the master stops): agents reconnect to the next one."""
+        for ws in list(self.open):
+            await ws.close(code=WSCloseCode.GOING_AWAY, message=b"the master stops")
+
+    async def _take(self, ws: web.WebSocketResponse, client: _Client, text: str) -> bool:
+        """Serve one message; False when it was not one (the channel is closed)."""
+        try:
+            envelope = pydantic_core.from_json(text, allow_inf_nan=False)
+        except ValueError as exc:
+            await self._refuse(ws, None, f"a channel message is a JSON object: {exc}")
+            return False
+        if not isinstance(envelope, dict):
+            await self._refuse(ws, None, "a channel message is a JSON object")
+            return False
+        if "cancel" in envelope:
+            seq = envelope["cancel"]
+            asked = client.asked.get(seq) if type(seq) is int else None
+            if asked is not None and asked.reply is None:
+                asked.given_up = True
+                del client.asked[seq]
+            return True
+        seq, op, seen = envelope.get("seq"), envelope.get("op"), envelope.get("seen", 0)
+        if type(seq) is not int or type(op) is not str or type(seen) is not int:
+            await self._refuse(
+                ws,
+                seq if type(seq) is int else None,
+                'a request is {"seq": integer, "op": string, "body": object, "seen": integer}',
+            )
+            return False
+        client.seen(seen)
+        asked = client.asked.get(seq)
+        if asked is not None:  # sent again (the connection it first came on dropped)
+            if asked.reply is not None:
+                await self._send(ws, seq, asked.reply)
+            else:
+                asked.waiting.append(ws)
+            return True
+        if len(client.asked) >= KEPT_REPLIES:
+            await self._refuse(ws, seq, f"over {KEPT_REPLIES} requests unconfirmed (seen)")
+            return False
+        asked = client.asked[seq] = _Asked()
+        reply = self._call(op, envelope.get("body"), raw=text)
+        if isinstance(reply, Deferred):
+            asked.waiting.append(ws)
+            reply.waiting.add_done_callback(lambda _: self._answered(seq, asked, reply))
+            return True
+        if inspect.isawaitable(reply):
+            asked.waiting.append(ws)
+            self._spawn(self._later(seq, asked, reply))
+            return True
+        asked.reply = reply
+        await self.context.master.journal_committed()
+        await self._send(ws, seq, reply)
+        return True
+
+    def _call(self, op: str, body: Any, raw: str) -> str | Deferred[str] | Any:
+        """The reply to ``op`` with ``body`` as the message to send (``re`` left to fill), or
+        a Deferred or awaitable of it."""
+        route = self.ops.get(op)
+        if route is None:
+            return _reply(404, ApiError(error=f"the channel serves no {op!r}"))
+        try:
+            model = validate(body, route.request, raw) if route.request is not None else None
+            answer = route.call(self.context, model)
+        except Exception as exc:
+            return _refused(exc, route)
+        if isinstance(answer, Deferred):
+            return answer.map(lambda a: _checked(a, route))
+        if inspect.isawaitable(answer):
+            return _awaited(answer, route)
+        return _checked(answer, route)
+
+    def _answered(self, seq: int, asked: _Asked, deferred: Deferred[str]) -> None:
+        if asked.given_up:
+            return
+        try:
+            asked.reply = deferred.then()
+        except Exception as exc:  # the answer could not be made: say so, do not hang
+            asked.reply = _reply(500, ApiError(error=f"the master failed to answer: {exc!r}"))
+        self._post(seq, asked)
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _later(self, seq: int, asked: _Asked, reply: Any) -> None:
+        asked.reply = await reply
+        self._post(seq, asked)
+
+    def _post(self, seq: int, asked: _Asked) -> None:
+        assert asked.reply is not None
+        for ws in asked.waiting:
+            self._outbox.append((ws, seq, asked.reply))
+        asked.waiting.clear()
+        if self._flushing is None:
+            self._flushing = asyncio.ensure_future(self._flush())
+
+    async def _flush(self) -> None:
+        """Send the outbox: one journal write for all of it, then each reply, in one task."""
+        try:
+            while self._outbox:
+                await self.context.master.journal_committed()
+                batch, self._outbox = self._outbox, []
+                for ws, seq, reply in batch:
+                    self.pushed += 1
+                    transport = self.open.get(ws)
+                    if transport is not None and transport.get_write_buffer_size() > SEND_AT_ONCE:
+                        self._spawn(self._send(ws, seq, reply))
+                    else:
+                        await self._send(ws, seq, reply)
+        finally:
+            self._flushing = None
+
+    async def _send(self, ws: web.WebSocketResponse, seq: int | None, reply: str) -> None:
+        if ws.closed:
+            return  # kept: the agent asks again on its next connection
+        # The connection may go meanwhile: the reply is kept for the next one.
+        with contextlib.suppress(ConnectionError):
+            await ws.send_str(_addressed(seq, reply))
+
+    async def _refuse(self, ws: web.WebSocketResponse, seq: int | None, why: str) -> None:
+        log.warning("a channel message refused; the channel is closed", error=why)
+        await self._send(ws, seq, _reply(400, ApiError(error=f"bad channel message: {why}")))
+        await ws.close(code=WSCloseCode.POLICY_VIOLATION, message=why[:120].encode())
+
+
+def _reply(status: int, body: BaseModel | str) -> str:
+    """A reply message but its ``re``: ``"status": S, "body": ...}``."""
+    text = body if isinstance(body, str) else body.model_dump_json(exclude_defaults=status != 200)
+    return f'"status":{status},"body":{text}}}'
+
+
+def _addressed(seq: int | None, reply: str) -> str:
+    return f'{{"re":{"null" if seq is None else seq},{reply}'
+
+
+def _checked(answer: Any, route: Route) -> str:
+    if not isinstance(answer, route.reply):
+        raise TypeError(f"{route.path} answered {type(answer).__name__}, not its reply")
+    return _reply(200, answer.model_dump_json())
+
+
+async def _awaited(answer: Any, route: Route) -> str:
+    try:
+        return _checked(await answer, route)
+    except Exception as exc:
+        return _refused(exc, route)
+
+
+def _refused(exc: Exception, route: Route) -> str:
+    response = exc.response if isinstance(exc, BadRequest) else refusal(exc, "POST", route.path)
+    assert isinstance(response.body, bytes)
+    return _reply(response.status, response.body.decode())

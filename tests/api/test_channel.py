@@ -1,0 +1,165 @@
+"""The agents' channel (``GET /v1/channel``, :mod:`planaria.master.channel`) of a live master,
+played over real WebSockets: requests answered as over HTTP, the next action pushed the moment
+the master decides it, a request sent again after its connection dropped served once, and bad
+messages refused with what is wrong."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+
+from support.master import AUTH, with_master
+
+REPORT = {
+    "node_id": "node-0",
+    "rule": {"kind": "kill_worker", "rank": 0, "at_step": 3},
+    "time": 1.0,
+}
+
+
+async def _open(session: aiohttp.ClientSession, url: str, client: str):
+    return await session.ws_connect(f"{url}/channel?client={client}", headers=AUTH)
+
+
+async def _ask(ws, seq: int, op: str, body: dict, seen: int = 0) -> None:
+    await ws.send_str(json.dumps({"seq": seq, "op": op, "seen": seen, "body": body}))
+
+
+async def _reply(ws, timeout: float = 10) -> dict:
+    message = await ws.receive(timeout=timeout)
+    assert message.type is aiohttp.WSMsgType.TEXT, message
+    return json.loads(message.data)
+
+
+async def _register_and_join(session, url) -> list:
+    """Both nodes registered and in round 1 over their channels; their open channels."""
+    channels = []
+    for i in range(2):
+        ws = await _open(session, url, f"agent-{i}")
+        reg = {"node_id": f"node-{i}", "host": f"h{i}", "addr": "127.0.0.1", "pid": 1}
+        await _ask(ws, 1, "/register", reg)
+        assert (await _reply(ws))["status"] == 200
+        channels.append(ws)
+    for i, ws in enumerate(channels):
+        join = {"node_id": f"node-{i}", "addr": "127.0.0.1", "port": 40000 + i}
+        await _ask(ws, 2, "/rendezvous/join", join)
+    for ws in channels:
+        reply = await _reply(ws)
+        assert reply["re"] == 2 and reply["body"]["state"] == "ready", reply
+    return channels
+
+
+def test_the_next_action_is_pushed_the_moment_the_master_decides_it(tmp_path):
+    async def body(master, session, url):
+        ws0, ws1 = await _register_and_join(session, url)
+        await _ask(ws0, 3, "/actions", {"node_id": "node-0", "round": 1}, seen=3)
+        # Nothing to push yet: a heartbeat on the same channel is answered meanwhile.
+        beat = {"node_id": "node-0", "round": 1, "activity": "running", "wait": False}
+        await _ask(ws0, 4, "/heartbeat", beat, seen=3)
+        reply = await _reply(ws0)
+        assert reply["re"] == 4 and reply["body"]["action"]["kind"] == "none"
+        # Node 1's worker fails: the master restarts the round and pushes it to node 0.
+        failure = {
+            "local_rank": 0,
+            "rank": 2,
+            "pid": 1,
+            "exitcode": 1,
+            "signal": None,
+            "time": time.time(),
+            "log_tail": "",
+            "description": "exit code 1",
+        }
+        report = {"node_id": "node-1", "round": 1, "succeeded": False, "failure": failure}
+        sent = time.monotonic()
+        await _ask(ws1, 3, "/workers", report, seen=3)
+        assert (await _reply(ws1))["status"] == 200
+        pushed = await _reply(ws0)
+        assert time.monotonic() - sent < 1.0
+        assert pushed["re"] == 3 and pushed["status"] == 200
+        assert pushed["body"]["action"]["kind"] == "restart"
+        assert pushed["body"]["action"]["round"] == 2
+
+    asyncio.run(with_master(tmp_path, body))
+
+
+def test_a_request_sent_again_after_its_connection_dropped_is_served_once(tmp_path):
+    async def body(master, session, url):
+        await _register_and_join(session, url)
+
+        def chaos_events() -> int:
+            return sum(
+                1
+                for e in master.timeline.events
+                if e.kind.value == "fault_detected" and e.data.get("fault") == "chaos"
+            )
+
+        first = await _open(session, url, "agent-0")
+        await _ask(first, 7, "/chaos", REPORT, seen=7)
+        await first.close()  # gone before its reply could be read
+        deadline = time.monotonic() + 10
+        while chaos_events() < 1:
+            assert time.monotonic() < deadline, "the report was never served"
+            await asyncio.sleep(0.02)
+        again = await _open(session, url, "agent-0")
+        await _ask(again, 7, "/chaos", REPORT, seen=7)
+        reply = await _reply(again)
+        assert reply == {"re": 7, "status": 200, "body": {"ok": True}}
+        assert chaos_events() == 1  # answered from what was kept, not served twice
+        # Once the agent says it has that reply (seen), the same number is a new request.
+        await _ask(again, 8, "/chaos", REPORT, seen=8)
+        await _reply(again)
+        await _ask(again, 7, "/chaos", REPORT, seen=8)
+        await _reply(again)
+        assert chaos_events() == 3
+
+    asyncio.run(with_master(tmp_path, body))
+
+
+def test_an_action_decided_while_the_channel_was_down_reaches_the_next_one(tmp_path):
+    async def body(master, session, url):
+        ws0, _ = await _register_and_join(session, url)
+        await _ask(ws0, 3, "/actions", {"node_id": "node-0", "round": 1}, seen=3)
+        await asyncio.sleep(0.1)
+        await ws0.close()
+        master.stop("stopped by the test")  # every node is told to exit: node 0 has no channel
+        await asyncio.sleep(0.2)
+        again = await _open(session, url, "agent-0")
+        await _ask(again, 3, "/actions", {"node_id": "node-0", "round": 1}, seen=3)
+        reply = await _reply(again)
+        assert reply["re"] == 3 and reply["body"]["action"]["kind"] == "exit"
+
+    asyncio.run(with_master(tmp_path, body))
+
+
+def test_bad_messages_are_refused_saying_what_is_wrong(tmp_path):
+    async def body(master, session, url):
+        ws = await _open(session, url, "agent-x")
+        await _ask(ws, 1, "/nowhere", {})
+        reply = await _reply(ws)
+        assert reply["re"] == 1 and reply["status"] == 404
+        assert "no '/nowhere'" in reply["body"]["error"]
+        await _ask(ws, 2, "/heartbeat", {"node_id": "node-0", "round": "one"})
+        reply = await _reply(ws)
+        assert reply["status"] == 400
+        assert any(p.startswith("round:") for p in reply["body"]["problems"])
+        await _ask(ws, 3, "/heartbeat", {"node_id": "ghost", "round": 0, "activity": "idle"})
+        assert (await _reply(ws))["status"] == 404
+        # Not a request at all: said, and the channel is closed.
+        await ws.send_str("[1, 2]")
+        reply = await _reply(ws)
+        assert reply["re"] is None and reply["status"] == 400
+        assert "JSON object" in reply["body"]["error"]
+        closed = await ws.receive(timeout=5)
+        assert closed.type is aiohttp.WSMsgType.CLOSE and closed.data == 1008
+        # Without the token, or without a client id, there is no channel.
+        for headers, query, status in (({}, "?client=a", 401), (AUTH, "", 400)):
+            async with session.get(
+                f"{url}/channel{query}",
+                headers={**headers, "Upgrade": "websocket", "Connection": "Upgrade"},
+            ) as r:
+                assert r.status == status, await r.text()
+
+    asyncio.run(with_master(tmp_path, body))
