@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import socket
 
 import pytest
@@ -102,13 +103,20 @@ def test_a_join_rides_out_a_short_master_outage():
     )
     seen: list[JoinRequest] = []
 
-    async def join(request: web.Request) -> web.Response:
-        seen.append(JoinRequest.model_validate_json(await request.text()))
-        return web.json_response(JoinReply(state="ready", info=info).model_dump(mode="json"))
+    async def channel(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        async for message in ws:
+            asked = json.loads(message.data)
+            assert asked["op"] == "/rendezvous/join"
+            seen.append(JoinRequest.model_validate(asked["body"]))
+            reply = JoinReply(state="ready", info=info).model_dump(mode="json")
+            await ws.send_str(json.dumps({"re": asked["seq"], "status": 200, "body": reply}))
+        return ws
 
     async def scenario() -> JoinReply:
         app = web.Application()
-        app.router.add_post(f"{API_PREFIX}/rendezvous/join", join)
+        app.router.add_get(f"{API_PREFIX}/channel", channel)
         runner = web.AppRunner(app)
         await runner.setup()
 

@@ -74,22 +74,26 @@ class _Asked:
 
 
 class _Client:
-    __slots__ = ("asked",)
+    __slots__ = ("asked", "below")
 
     def __init__(self) -> None:
         self.asked: dict[int, _Asked] = {}
+        self.below = 0
+        """The client has every reply below this one (its last ``seen``)."""
 
     def seen(self, below: int) -> None:
         """The client has every reply below ``below``: forget them."""
-        if self.asked and min(self.asked) < below:
+        if below > self.below:
+            self.below = below
             for seq in [s for s in self.asked if s < below]:
                 del self.asked[seq]
 
 
 class Channels:
-    """The channel's state in one master: its clients' kept replies, its open connections,
-    and the outbox of the replies given after their request came (a round closed, an action
-    decided), sent together after one journal write."""
+    """The channel's state in one master: its clients' kept replies, its open connections and
+    the outbox of its replies. Every reply goes through the outbox, sent by one task after one
+    journal write for all those made meanwhile: a message costs no await of its own, and a
+    restart decided for 10,000 nodes is 10,000 writes in a row."""
 
     def __init__(self, routes: Sequence[Route], context: Context) -> None:
         self.ops: Mapping[str, Route] = {r.path.removeprefix(API_PREFIX): r for r in routes}
@@ -101,7 +105,11 @@ class Channels:
         self._flushing: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Future[None]] = set()
         self.pushed = 0
-        """Replies sent after their request came: actions pushed, rounds closed."""
+        """Replies made after their request came: actions pushed, rounds closed."""
+        self.stats = context.master.channel
+        self._burst: float | None = None
+        """When the first reply of the burst of pushed replies now being sent was made."""
+        self._burst_replies = 0
 
     def client(self, client_id: str) -> _Client:
         found = self.clients.get(client_id)
@@ -126,6 +134,7 @@ class Channels:
         client = self.client(client_id)
         transport = request.transport
         self.open[ws] = transport if isinstance(transport, asyncio.Transport) else None
+        self.stats.open = len(self.open)
         try:
             async for message in ws:
                 if message.type is not WSMsgType.TEXT:
@@ -135,6 +144,7 @@ class Channels:
                     break
         finally:
             self.open.pop(ws, None)
+            self.stats.open = len(self.open)
         return ws
 
     async def close_all(self) -> None:
@@ -170,10 +180,9 @@ class Channels:
         client.seen(seen)
         asked = client.asked.get(seq)
         if asked is not None:  # sent again (the connection it first came on dropped)
+            asked.waiting.append(ws)
             if asked.reply is not None:
-                await self._send(ws, seq, asked.reply)
-            else:
-                asked.waiting.append(ws)
+                self._post(seq, asked)
             return True
         if len(client.asked) >= KEPT_REPLIES:
             await self._refuse(ws, seq, f"over {KEPT_REPLIES} requests unconfirmed (seen)")
@@ -189,8 +198,8 @@ class Channels:
             self._spawn(self._later(seq, asked, reply))
             return True
         asked.reply = reply
-        await self.context.master.journal_committed()
-        await self._send(ws, seq, reply)
+        asked.waiting.append(ws)
+        self._post(seq, asked)
         return True
 
     def _call(self, op: str, body: Any, raw: str) -> str | Deferred[str] | Any:
@@ -217,6 +226,10 @@ class Channels:
             asked.reply = deferred.then()
         except Exception as exc:  # the answer could not be made: say so, do not hang
             asked.reply = _reply(500, ApiError(error=f"the master failed to answer: {exc!r}"))
+        self.pushed += 1
+        if self._burst is None:
+            self._burst = asyncio.get_running_loop().time()
+        self._burst_replies += 1
         self._post(seq, asked)
 
     def _spawn(self, work: Any) -> None:
@@ -237,18 +250,26 @@ class Channels:
             self._flushing = asyncio.ensure_future(self._flush())
 
     async def _flush(self) -> None:
-        """Send the outbox: one journal write for all of it, then each reply, in one task."""
+        """Send the outbox: one journal write for all of it (what its replies changed), then
+        each reply, in this one task; again for what came meanwhile."""
         try:
             while self._outbox:
-                await self.context.master.journal_committed()
                 batch, self._outbox = self._outbox, []
+                await self.context.master.journal_committed()
                 for ws, seq, reply in batch:
-                    self.pushed += 1
                     transport = self.open.get(ws)
-                    if transport is not None and transport.get_write_buffer_size() > SEND_AT_ONCE:
+                    if transport is None or ws.closed:
+                        continue  # kept: the agent asks again on its next connection
+                    if transport.get_write_buffer_size() > SEND_AT_ONCE:
                         self._spawn(self._send(ws, seq, reply))
-                    else:
-                        await self._send(ws, seq, reply)
+                        continue
+                    # The connection may go meanwhile: the reply is kept for the next one.
+                    with contextlib.suppress(ConnectionError):
+                        await ws.send_str(_addressed(seq, reply))
+                if self._burst is not None and not self._outbox:
+                    self.stats.last_push_s = asyncio.get_running_loop().time() - self._burst
+                    self.stats.last_push_replies, self._burst = self._burst_replies, None
+                    self._burst_replies = 0
         finally:
             self._flushing = None
 

@@ -41,6 +41,7 @@ from planaria.master.recovery import Recovery
 from planaria.master.rounds import Rounds
 from planaria.master.state import (
     BadReport,
+    ChannelStats,
     Deferred,
     FencedRequest,
     JobSettings,
@@ -178,6 +179,8 @@ class Master:
         self._reattached: set[str] = set()
         """Nodes that re-attached to this master: a retried re-attach changes nothing."""
         self.not_written: dict[str, str] = {}
+        self.channel = ChannelStats()
+        """Kept up by the agents' channels, for the metrics."""
         """Files of the run's record that could not be written, and why (a full disk)."""
         self.store: StoreHost | None = None
         """The workers' store on the master's host (``rendezvous.store: master``), once the

@@ -134,7 +134,8 @@ class Rounds:
             for j in joiners.values()
             if j.node_id in ranks and self._ranks.get(j.node_id, size) < size
         ]
-        members += [j for j in joiners.values() if j.node_id in ranks and j not in members]
+        listed = {j.node_id for j in members}  # by id: a round of 10,000 nodes, not O(n^2)
+        members += [j for j in joiners.values() if j.node_id in ranks and j.node_id not in listed]
         leader = next(j for j in members if ranks[j.node_id] == 0)
         self._ranks = dict(ranks)
         self.world = {

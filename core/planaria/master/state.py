@@ -268,6 +268,19 @@ class Node:
 _JOURNALLED = frozenset({"host", "phase", "addr", "pid", "memory"})
 
 
+@dataclass
+class ChannelStats:
+    """What the agents' channels (:mod:`planaria.master.channel`) tell the metrics."""
+
+    open: int = 0
+    """Channels open now: agents connected."""
+    last_push_s: float | None = None
+    """The last burst of replies made after their request came (a restart decided for every
+    node, a round closed): from the first one made to the last one written to its socket."""
+    last_push_replies: int = 0
+    """How many replies that burst wrote."""
+
+
 @dataclass(frozen=True)
 class JobSettings:
     spec: JobSpec
