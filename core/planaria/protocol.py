@@ -27,6 +27,13 @@ from planaria.chaos import ChaosRule
 from planaria.diagnosis.messages import DiagnosisSpec
 
 API_PREFIX = "/v1"
+SPREAD_NODES = 256
+"""From this many nodes in a round, each node's first heartbeat of the round comes at a random
+time within the interval (an agent on the channel waits that long before it; an older agent's
+long poll is held that long), not at once. Every node starts a round at the same moment: beating
+alike, they would come as one wave each interval, all of it queued in front of the master (at
+10,000 nodes a wave is most of a second of its time). Below this, a wave is a few
+milliseconds."""
 TOKEN_ENV = "PLANARIA_TOKEN"
 MASTER_ENV = "PLANARIA_MASTER"
 FINGERPRINT_ENV = "PLANARIA_MASTER_FINGERPRINT"

@@ -134,6 +134,31 @@ def test_an_action_decided_while_the_channel_was_down_reaches_the_next_one(tmp_p
     asyncio.run(with_master(tmp_path, body))
 
 
+def test_a_journal_that_fails_gets_no_reply_an_ok(tmp_path):
+    """What a request changed is on disk before it is answered: when the journal cannot be
+    written, the reply says so (500), and a request sent again gets the same."""
+
+    async def body(master, session, url):
+        def broken() -> asyncio.Future[None]:
+            failed = asyncio.get_running_loop().create_future()
+            failed.set_exception(OSError("disk full"))
+            return failed
+
+        ws = await _open(session, url, "agent-0")
+        master.journal_commit = broken
+        try:
+            await _ask(ws, 1, "/chaos", REPORT)
+            reply = await _reply(ws)
+            await _ask(ws, 1, "/chaos", REPORT)
+            again = await _reply(ws)
+        finally:
+            del master.journal_commit
+        assert reply["status"] == 500 and "disk full" in reply["body"]["error"], reply
+        assert again == reply
+
+    asyncio.run(with_master(tmp_path, body))
+
+
 def test_bad_messages_are_refused_saying_what_is_wrong(tmp_path):
     async def body(master, session, url):
         ws = await _open(session, url, "agent-x")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import time
 from pathlib import Path
@@ -51,6 +52,7 @@ from planaria.log import bind, get_logger
 from planaria.progress import ENV as PROGRESS_ENV
 from planaria.progress import ProgressBoard
 from planaria.protocol import (
+    SPREAD_NODES,
     Ack,
     Action,
     ActionRequest,
@@ -449,11 +451,12 @@ class Agent:
         request = ActionRequest(node_id=self.node_id, round=state.info.round)
         pushed = asyncio.ensure_future(self.client.call("/actions", request, HeartbeatReply))
         try:
-            while True:
+            if state.info.num_nodes >= SPREAD_NODES:  # not in one wave with every other node
+                await asyncio.wait({pushed}, timeout=random.random() * self.spec.heartbeat_interval)
+            while not pushed.done():
                 await self.client.call("/heartbeat", self._beat(state, wait=False), HeartbeatReply)
-                done, _ = await asyncio.wait({pushed}, timeout=self.spec.heartbeat_interval)
-                if done:
-                    return pushed.result().action
+                await asyncio.wait({pushed}, timeout=self.spec.heartbeat_interval)
+            return pushed.result().action
         finally:
             pushed.cancel()
 

@@ -101,7 +101,7 @@ class Channels:
         self.clients: OrderedDict[str, _Client] = OrderedDict()
         self.open: dict[web.WebSocketResponse, asyncio.Transport | None] = {}
         """The open channels, and the transport each one is on."""
-        self._outbox: list[tuple[web.WebSocketResponse, int, str]] = []
+        self._outbox: list[tuple[web.WebSocketResponse, int, _Asked]] = []
         self._flushing: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Future[None]] = set()
         self.pushed = 0
@@ -142,6 +142,9 @@ class Channels:
                     break
                 if not await self._take(ws, client, message.data):
                     break
+        except Exception:  # a bug of the master's, not the agent's: said, and the agent retries
+            log.exception("a channel failed; it is closed", client=client_id)
+            await ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"the master failed")
         finally:
             self.open.pop(ws, None)
             self.stats.open = len(self.open)
@@ -244,7 +247,7 @@ class Channels:
     def _post(self, seq: int, asked: _Asked) -> None:
         assert asked.reply is not None
         for ws in asked.waiting:
-            self._outbox.append((ws, seq, asked.reply))
+            self._outbox.append((ws, seq, asked))
         asked.waiting.clear()
         if self._flushing is None:
             self._flushing = asyncio.ensure_future(self._flush())
@@ -255,8 +258,15 @@ class Channels:
         try:
             while self._outbox:
                 batch, self._outbox = self._outbox, []
-                await self.context.master.journal_committed()
-                for ws, seq, reply in batch:
+                try:
+                    await self.context.master.journal_committed()
+                except Exception as exc:  # not on disk: no reply may say it was taken
+                    failed = _reply(500, ApiError(error=f"the master's journal failed: {exc}"))
+                    for _, _, asked in batch:
+                        asked.reply = failed
+                for ws, seq, asked in batch:
+                    reply = asked.reply
+                    assert reply is not None
                     transport = self.open.get(ws)
                     if transport is None or ws.closed:
                         continue  # kept: the agent asks again on its next connection

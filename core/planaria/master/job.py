@@ -58,6 +58,7 @@ from planaria.master.summary import FailedRank, Fault, Summary
 from planaria.master.timeline import Timeline, last_steps, last_tokens
 from planaria.master.tokens import TokenCount
 from planaria.protocol import (
+    SPREAD_NODES,
     Action,
     ActionRequest,
     CheckpointEvent,
@@ -98,12 +99,6 @@ PROGRESS_NODES = 64
 about ``PROGRESS_NODES / PROGRESS_EVERY`` of them a second; and a node's first of a round comes
 at a random time within the interval, not at its first step (10,000 nodes starting a round would
 write 10,000 at once)."""
-SPREAD_NODES = 256
-"""From this many nodes in a round, each node's first heartbeat long poll of the round is held
-for a random part of the interval, not all of it. Every node sends that poll when the round
-starts: held alike, they would come back as one wave each interval, all of it queued in front
-of the master (at 10,000 nodes a wave is most of a second of its time), until the queue itself
-spread them. Below this, a wave is a few milliseconds."""
 
 
 class Master:
