@@ -199,12 +199,12 @@ class Connection:
                 frames = self.frames
                 assert frames.transport is not None
                 waiter = frames.waiting[seq] = asyncio.get_running_loop().create_future()
-                # Every earlier reply came (``seen``) but those still waited for.
-                seen = min(frames.waiting)
+                # Every earlier reply came but those still waited for (``open``).
+                waiting = ",".join(map(str, frames.waiting)).encode()
                 frames.transport.write(
                     _frame(
-                        b'{"seq":%d,"op":"%s","seen":%d,"body":%s}'
-                        % (seq, path.encode(), seen, data)
+                        b'{"seq":%d,"op":"%s","open":[%s],"body":%s}'
+                        % (seq, path.encode(), waiting, data)
                     )
                 )
                 return await waiter

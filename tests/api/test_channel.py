@@ -11,6 +11,7 @@ import time
 
 import aiohttp
 
+from planaria.master.channel import KEPT_REPLIES
 from support.master import AUTH, with_master
 
 REPORT = {
@@ -24,8 +25,11 @@ async def _open(session: aiohttp.ClientSession, url: str, client: str):
     return await session.ws_connect(f"{url}/channel?client={client}", headers=AUTH)
 
 
-async def _ask(ws, seq: int, op: str, body: dict, seen: int = 0) -> None:
-    await ws.send_str(json.dumps({"seq": seq, "op": op, "seen": seen, "body": body}))
+async def _ask(ws, seq: int, op: str, body: dict, waiting: list[int] | None = None) -> None:
+    """Send request ``seq``; ``waiting``: the requests whose replies the agent waits for (by
+    default this one only: it has every other reply)."""
+    message = {"seq": seq, "op": op, "open": [seq] if waiting is None else waiting, "body": body}
+    await ws.send_str(json.dumps(message))
 
 
 async def _reply(ws, timeout: float = 10) -> dict:
@@ -55,10 +59,10 @@ async def _register_and_join(session, url) -> list:
 def test_the_next_action_is_pushed_the_moment_the_master_decides_it(tmp_path):
     async def body(master, session, url):
         ws0, ws1 = await _register_and_join(session, url)
-        await _ask(ws0, 3, "/actions", {"node_id": "node-0", "round": 1}, seen=3)
+        await _ask(ws0, 3, "/actions", {"node_id": "node-0", "round": 1})
         # Nothing to push yet: a heartbeat on the same channel is answered meanwhile.
         beat = {"node_id": "node-0", "round": 1, "activity": "running", "wait": False}
-        await _ask(ws0, 4, "/heartbeat", beat, seen=3)
+        await _ask(ws0, 4, "/heartbeat", beat, waiting=[3, 4])
         reply = await _reply(ws0)
         assert reply["re"] == 4 and reply["body"]["action"]["kind"] == "none"
         # Node 1's worker fails: the master restarts the round and pushes it to node 0.
@@ -74,13 +78,33 @@ def test_the_next_action_is_pushed_the_moment_the_master_decides_it(tmp_path):
         }
         report = {"node_id": "node-1", "round": 1, "succeeded": False, "failure": failure}
         sent = time.monotonic()
-        await _ask(ws1, 3, "/workers", report, seen=3)
+        await _ask(ws1, 3, "/workers", report)
         assert (await _reply(ws1))["status"] == 200
         pushed = await _reply(ws0)
         assert time.monotonic() - sent < 1.0
         assert pushed["re"] == 3 and pushed["status"] == 200
         assert pushed["body"]["action"]["kind"] == "restart"
         assert pushed["body"]["action"]["round"] == 2
+
+    asyncio.run(with_master(tmp_path, body))
+
+
+def test_a_request_held_for_long_does_not_keep_the_replies_after_it(tmp_path):
+    """The standing ``/actions`` request stays open for a whole round: the heartbeats answered
+    meanwhile are forgotten as the agent confirms them, however many there are."""
+
+    async def body(master, session, url):
+        ws0, _ = await _register_and_join(session, url)
+        await _ask(ws0, 3, "/actions", {"node_id": "node-0", "round": 1})
+        beat = {"node_id": "node-0", "round": 1, "activity": "running", "wait": False}
+        for seq in range(4, 4 + 2 * KEPT_REPLIES):
+            await _ask(ws0, seq, "/heartbeat", beat, waiting=[3, seq])
+            reply = await _reply(ws0)
+            assert reply["re"] == seq and reply["status"] == 200, reply
+        # The held request is still answered when its action comes.
+        master.stop("stopped by the test")
+        pushed = await _reply(ws0)
+        assert pushed["re"] == 3 and pushed["body"]["action"]["kind"] == "exit"
 
     asyncio.run(with_master(tmp_path, body))
 
@@ -97,21 +121,21 @@ def test_a_request_sent_again_after_its_connection_dropped_is_served_once(tmp_pa
             )
 
         first = await _open(session, url, "agent-0")
-        await _ask(first, 7, "/chaos", REPORT, seen=7)
+        await _ask(first, 7, "/chaos", REPORT)
         await first.close()  # gone before its reply could be read
         deadline = time.monotonic() + 10
         while chaos_events() < 1:
             assert time.monotonic() < deadline, "the report was never served"
             await asyncio.sleep(0.02)
         again = await _open(session, url, "agent-0")
-        await _ask(again, 7, "/chaos", REPORT, seen=7)
+        await _ask(again, 7, "/chaos", REPORT)
         reply = await _reply(again)
         assert reply == {"re": 7, "status": 200, "body": {"ok": True}}
         assert chaos_events() == 1  # answered from what was kept, not served twice
-        # Once the agent says it has that reply (seen), the same number is a new request.
-        await _ask(again, 8, "/chaos", REPORT, seen=8)
+        # Once the agent no longer waits for that reply (open), the same number is a new request.
+        await _ask(again, 8, "/chaos", REPORT)
         await _reply(again)
-        await _ask(again, 7, "/chaos", REPORT, seen=8)
+        await _ask(again, 7, "/chaos", REPORT)
         await _reply(again)
         assert chaos_events() == 3
 
@@ -121,13 +145,13 @@ def test_a_request_sent_again_after_its_connection_dropped_is_served_once(tmp_pa
 def test_an_action_decided_while_the_channel_was_down_reaches_the_next_one(tmp_path):
     async def body(master, session, url):
         ws0, _ = await _register_and_join(session, url)
-        await _ask(ws0, 3, "/actions", {"node_id": "node-0", "round": 1}, seen=3)
+        await _ask(ws0, 3, "/actions", {"node_id": "node-0", "round": 1})
         await asyncio.sleep(0.1)
         await ws0.close()
         master.stop("stopped by the test")  # every node is told to exit: node 0 has no channel
         await asyncio.sleep(0.2)
         again = await _open(session, url, "agent-0")
-        await _ask(again, 3, "/actions", {"node_id": "node-0", "round": 1}, seen=3)
+        await _ask(again, 3, "/actions", {"node_id": "node-0", "round": 1})
         reply = await _reply(again)
         assert reply["re"] == 3 and reply["body"]["action"]["kind"] == "exit"
 

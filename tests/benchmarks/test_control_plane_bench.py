@@ -51,7 +51,8 @@ def test_the_control_plane_benchmark_goes_through_every_phase(tmp_path):
         assert row["round_s"] >= 0 and row["restart_round_s"] > 0
         # The restart was pushed: it reached every agent, after the master decided it.
         assert 0 < row["action_p50_ms"] <= row["action_all_ms"] < row["restart_round_s"] * 1000
-        assert 0 <= row["master_push_ms"] <= row["action_all_ms"]
+        # The master's own side of a push burst, from its metrics (a few ms at this size).
+        assert 0 <= row["master_push_ms"] < row["restart_round_s"] * 1000
         assert row["replace_total_s"] >= row["replace_s"] > 0
         # The heartbeat timeout (5 s) comes first, counted from the last beat (1 s apart).
         assert row["replace_total_s"] >= 4.0

@@ -81,9 +81,10 @@ class Channel:
         ws = await self._connected()
         reply: asyncio.Future[tuple[int, Any]] = asyncio.get_running_loop().create_future()
         self._waiting[seq] = reply
-        seen = min(self._open, default=self._next)
+        waiting = ",".join(map(str, sorted(self._open)))  # every reply not among them came
         try:
-            await ws.send_str(f'{{"seq":{seq},"op":{json.dumps(op)},"seen":{seen},"body":{body}}}')
+            message = f'{{"seq":{seq},"op":{json.dumps(op)},"open":[{waiting}],"body":{body}}}'
+            await ws.send_str(message)
             return await reply
         except asyncio.CancelledError:
             if not ws.closed and not reply.done():

@@ -1,7 +1,7 @@
 """The agents' channel: one WebSocket per agent (``GET /v1/channel``), on aiohttp's public API.
 
 An agent sends its requests up the channel as text messages, each the JSON object
-``{"seq": N, "op": PATH, "body": {...}, "seen": M}``: ``op`` names a node route of the API
+``{"seq": N, "op": PATH, "body": {...}, "open": [...]}``: ``op`` names a node route of the API
 (:data:`planaria.master.routes.ROUTES`, such as ``/heartbeat``) or one of the channel's own
 (:data:`planaria.master.routes.CHANNEL_ROUTES`, ``/actions``), and ``body`` is that route's
 request model, read as strictly as over HTTP. The master answers each one with
@@ -16,9 +16,10 @@ error's JSON).
 - **After the journal.** A reply is sent once what its request changed is in the journal (the
   replies of one turn of the loop share one write), as over HTTP.
 - **Idempotent by sequence number.** ``seq`` counts up per client (``?client=ID`` in the URL,
-  one per agent process). The master keeps each request's reply until the agent says it has it
-  (``seen``: every reply below ``M`` arrived); a request sent again, on a new connection after
-  the old one dropped, gets the reply kept for its ``seq`` (or waits for the same answer) and is
+  one per agent process). The master keeps each request's reply until the agent says it has it:
+  ``open`` lists the requests whose replies the agent still waits for (this one included), and
+  a reply kept for any other is forgotten. A request sent again, on a new connection after the
+  old one dropped, gets the reply kept for its ``seq`` (or waits for the same answer) and is
   not served twice. ``{"cancel": N}`` gives a request up.
 
 A message that is not of this form gets an error reply (``re`` null when its ``seq`` cannot be
@@ -74,19 +75,19 @@ class _Asked:
 
 
 class _Client:
-    __slots__ = ("asked", "below")
+    __slots__ = ("asked",)
 
     def __init__(self) -> None:
         self.asked: dict[int, _Asked] = {}
-        self.below = 0
-        """The client has every reply below this one (its last ``seen``)."""
 
-    def seen(self, below: int) -> None:
-        """The client has every reply below ``below``: forget them."""
-        if below > self.below:
-            self.below = below
-            for seq in [s for s in self.asked if s < below]:
-                del self.asked[seq]
+    def has(self, waiting: list[Any]) -> None:
+        """The client waits for the replies of ``waiting`` only: every other reply kept for it
+        arrived, and is forgotten. A request not answered yet is kept whatever the list says
+        (its answer is still to be sent)."""
+        if len(self.asked) > 1 or (self.asked and next(iter(self.asked)) not in waiting):
+            for seq in [s for s, a in self.asked.items() if a.reply is not None]:
+                if seq not in waiting:
+                    del self.asked[seq]
 
 
 class Channels:
@@ -172,15 +173,15 @@ class Channels:
                 asked.given_up = True
                 del client.asked[seq]
             return True
-        seq, op, seen = envelope.get("seq"), envelope.get("op"), envelope.get("seen", 0)
-        if type(seq) is not int or type(op) is not str or type(seen) is not int:
+        seq, op, waiting = envelope.get("seq"), envelope.get("op"), envelope.get("open", [])
+        if type(seq) is not int or type(op) is not str or type(waiting) is not list:
             await self._refuse(
                 ws,
                 seq if type(seq) is int else None,
-                'a request is {"seq": integer, "op": string, "body": object, "seen": integer}',
+                'a request is {"seq": integer, "op": string, "body": object, "open": [integer]}',
             )
             return False
-        client.seen(seen)
+        client.has(waiting)
         asked = client.asked.get(seq)
         if asked is not None:  # sent again (the connection it first came on dropped)
             asked.waiting.append(ws)
@@ -188,7 +189,8 @@ class Channels:
                 self._post(seq, asked)
             return True
         if len(client.asked) >= KEPT_REPLIES:
-            await self._refuse(ws, seq, f"over {KEPT_REPLIES} requests unconfirmed (seen)")
+            why = f"over {KEPT_REPLIES} requests unanswered or unconfirmed (open)"
+            await self._refuse(ws, seq, why)
             return False
         asked = client.asked[seq] = _Asked()
         reply = self._call(op, envelope.get("body"), raw=text)

@@ -283,9 +283,8 @@ class StateNow:
         yield _gauge("planaria_round", "The rendezvous round forming, or running", m.round)
         yield _gauge("planaria_world_nodes", "Nodes in the running world", len(m.world))
         yield _gauge("planaria_channels_open", "Agents' channels open now", m.channel.open)
-        if m.channel.last_push_s is not None:
-            yield _gauge("planaria_channel_last_push_seconds", "The last burst of pushed "
-                         "replies, first made to last written", m.channel.last_push_s)  # fmt: skip
+        if (push := m.channel.last_push_s) is not None:
+            yield _gauge("planaria_channel_last_push_seconds", "The last push burst", push)
         yield _gauge("planaria_max_restarts", "The restart budget (job.max_restarts)",
                      m.spec.max_restarts)  # fmt: skip
         yield from self._nodes()
