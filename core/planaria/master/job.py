@@ -174,9 +174,9 @@ class Master:
         self._reattached: set[str] = set()
         """Nodes that re-attached to this master: a retried re-attach changes nothing."""
         self.not_written: dict[str, str] = {}
+        """Files of the run's record that could not be written, and why (a full disk)."""
         self.channel = ChannelStats()
         """Kept up by the agents' channels, for the metrics."""
-        """Files of the run's record that could not be written, and why (a full disk)."""
         self.store: StoreHost | None = None
         """The workers' store on the master's host (``rendezvous.store: master``), once the
         runner started it; None: the worker of rank 0 hosts each round's."""
