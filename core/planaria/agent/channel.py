@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 
+from planaria.background import Running
 from planaria.log import get_logger
 from planaria.protocol import API_PREFIX
 
@@ -59,7 +60,7 @@ class Channel:
         self._open: set[int] = set()
         """Sequence numbers whose reply has not come yet (in flight, or between two tries)."""
         self._next = 1
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: Running[asyncio.Future[None]] = Running()
         self.connections = 0
         """Connections made so far (the first, and one per reconnect)."""
 
@@ -88,7 +89,7 @@ class Channel:
             return await reply
         except asyncio.CancelledError:
             if not ws.closed and not reply.done():
-                self._later(ws.send_str(f'{{"cancel":{seq}}}'))
+                self._tasks.start(ws.send_str(f'{{"cancel":{seq}}}'))
             raise
         finally:
             self._waiting.pop(seq, None)
@@ -156,11 +157,6 @@ class Channel:
                 if not reply.done():
                     reply.set_exception(ChannelClosed(why))
 
-    def _later(self, work: Any) -> None:
-        task = asyncio.ensure_future(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     async def drop(self) -> None:
         """Close the connection (tests, and a cut the caller noticed first); requests in flight
         fail over to their retries."""
@@ -173,5 +169,5 @@ class Channel:
 
     async def close(self) -> None:
         await self.drop()
-        for task in list(self._tasks):
+        for task in self._tasks:
             task.cancel()

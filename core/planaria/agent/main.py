@@ -42,6 +42,7 @@ from planaria.agent.workers import (
     WorkerSpec,
     WorkerStartRefused,
 )
+from planaria.background import Running
 from planaria.chaos import ENV as CHAOS_ENV
 from planaria.chaos import ChaosRule, worker_rules_env
 from planaria.diagnosis.gate import check_node
@@ -91,7 +92,7 @@ class Agent:
         self.node_id = node_id
         self.host = host
         self.addr = addr
-        self._sends: set[asyncio.Task[None]] = set()
+        self._sends: Running[asyncio.Future[None]] = Running()
         self._round: RendezvousInfo | None = None
         """The round this node's workers run, while they do."""
         self.checkpoints: NodeCheckpoints | None = None
@@ -504,9 +505,7 @@ class Agent:
         async def send() -> None:
             await self.client.call("/heartbeat", beat, HeartbeatReply)
 
-        task = asyncio.ensure_future(send())
-        self._sends.add(task)
-        task.add_done_callback(self._sends.discard)
+        self._sends.start(send())
 
     async def _report_hang(self, report: HangReport) -> None:
         try:

@@ -17,6 +17,7 @@ from typing import Any
 from planaria.agent.checkpoints import NodeCheckpoints
 from planaria.agent.client import MasterClient
 from planaria.agent.console import INTERVAL, ConsoleBuffer, batches
+from planaria.background import Running
 from planaria.log import get_logger
 from planaria.protocol import Ack, CheckpointEvent, WorkersOutput
 
@@ -41,7 +42,7 @@ class Relay:
         self.node_id = node_id
         self.console = console
         self.loop = loop
-        self._event_sends: set[concurrent.futures.Future[None]] = set()
+        self._event_sends: Running[concurrent.futures.Future[None]] = Running()
         self._console_lock = asyncio.Lock()
 
     def checkpoint_event(self, event: dict[str, Any]) -> None:
@@ -63,8 +64,7 @@ class Relay:
         if report.event == "shard_persisted":
             return  # the commit event says it for every rank
         sent = asyncio.run_coroutine_threadsafe(self._send_event(report), self.loop)
-        self._event_sends.add(sent)
-        sent.add_done_callback(self._event_sends.discard)
+        self._event_sends.keep(sent)
 
     async def flush_checkpoint_events(self, checkpoints: NodeCheckpoints | None) -> None:
         """Before the workers' end is reported, the master learns what became of the steps
@@ -72,7 +72,7 @@ class Relay:
         if checkpoints is None:
             return
         await asyncio.to_thread(checkpoints.sync, 2.0)
-        pending = [asyncio.wrap_future(f) for f in list(self._event_sends)]
+        pending = [asyncio.wrap_future(f) for f in self._event_sends]
         if pending:
             await asyncio.wait(pending, timeout=5.0)
 

@@ -41,6 +41,7 @@ import pydantic_core
 from aiohttp import WSCloseCode, WSMsgType, web
 from pydantic import BaseModel
 
+from planaria.background import Running
 from planaria.log import get_logger
 from planaria.master.body import validate
 from planaria.master.guard import LIMITS
@@ -104,9 +105,7 @@ class Channels:
         """The open channels, and the transport each one is on."""
         self._outbox: list[tuple[web.WebSocketResponse, int, _Asked]] = []
         self._flushing: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Future[None]] = set()
-        self.pushed = 0
-        """Replies made after their request came: actions pushed, rounds closed."""
+        self._tasks: Running[asyncio.Future[None]] = Running()
         self.stats = context.master.channel
         self._burst: float | None = None
         """When the first reply of the burst of pushed replies now being sent was made."""
@@ -200,7 +199,7 @@ class Channels:
             return True
         if inspect.isawaitable(reply):
             asked.waiting.append(ws)
-            self._spawn(self._later(seq, asked, reply))
+            self._tasks.start(self._later(seq, asked, reply))
             return True
         asked.reply = reply
         asked.waiting.append(ws)
@@ -231,16 +230,10 @@ class Channels:
             asked.reply = deferred.then()
         except Exception as exc:  # the answer could not be made: say so, do not hang
             asked.reply = _reply(500, ApiError(error=f"the master failed to answer: {exc!r}"))
-        self.pushed += 1
         if self._burst is None:
             self._burst = asyncio.get_running_loop().time()
         self._burst_replies += 1
         self._post(seq, asked)
-
-    def _spawn(self, work: Any) -> None:
-        task = asyncio.ensure_future(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     async def _later(self, seq: int, asked: _Asked, reply: Any) -> None:
         asked.reply = await reply
@@ -270,14 +263,10 @@ class Channels:
                     reply = asked.reply
                     assert reply is not None
                     transport = self.open.get(ws)
-                    if transport is None or ws.closed:
-                        continue  # kept: the agent asks again on its next connection
-                    if transport.get_write_buffer_size() > SEND_AT_ONCE:
-                        self._spawn(self._send(ws, seq, reply))
-                        continue
-                    # The connection may go meanwhile: the reply is kept for the next one.
-                    with contextlib.suppress(ConnectionError):
-                        await ws.send_str(_addressed(seq, reply))
+                    if transport is not None and transport.get_write_buffer_size() > SEND_AT_ONCE:
+                        self._tasks.start(self._send(ws, seq, reply))  # holds up no one else
+                    else:
+                        await self._send(ws, seq, reply)
                 if self._burst is not None and not self._outbox:
                     self.stats.last_push_s = asyncio.get_running_loop().time() - self._burst
                     self.stats.last_push_replies, self._burst = self._burst_replies, None
@@ -286,7 +275,7 @@ class Channels:
             self._flushing = None
 
     async def _send(self, ws: web.WebSocketResponse, seq: int | None, reply: str) -> None:
-        if ws.closed:
+        if ws.closed or ws not in self.open:
             return  # kept: the agent asks again on its next connection
         # The connection may go meanwhile: the reply is kept for the next one.
         with contextlib.suppress(ConnectionError):

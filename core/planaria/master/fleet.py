@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from planaria import events
+from planaria.background import Running
 from planaria.errors import SchedulerError
 from planaria.log import get_logger
 from planaria.master.journal import Journal
@@ -49,7 +50,7 @@ class Fleet:
         self.launching = 0
         """Launches in flight: their agents may register before the scheduler answers."""
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scheduler")
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: Running[asyncio.Future[None]] = Running()
         self._replacing = 0
         self.journal: Journal | None = None
         """Told of every node handle the scheduler gives, and of changes to the nodes."""
@@ -139,9 +140,7 @@ class Fleet:
 
     def background(self, work: Coroutine[Any, Any, None]) -> None:
         """Run ``work`` (a replacement, a release) on the loop; :meth:`close` waits for it."""
-        task = asyncio.get_running_loop().create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.start(work)
 
     def replacing(self) -> int:
         """Replacements asked of the scheduler that have not come back yet."""

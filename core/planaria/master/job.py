@@ -564,9 +564,11 @@ class Master:
         no time limit, as the channel is watched by its own pings."""
         node = self.heard_from(request.node_id)
         waiting = self.fleet.wait_for_action(node, None, stopping=self.state.terminal)
-        if waiting is None:
+
+        def reply() -> HeartbeatReply:
             return HeartbeatReply(action=self._next_action(node))
-        return Deferred(waiting, lambda: HeartbeatReply(action=self._next_action(node)))
+
+        return reply() if waiting is None else Deferred(waiting, reply)
 
     def _next_action(self, node: Node) -> Action:
         action = self.fleet.next_action(node)
