@@ -90,8 +90,12 @@ def test_steps_lost_after_an_outside_kill_are_those_the_workers_redid(tmp_path, 
     # connection fails it on rank 0, so the step after the last one printed may have been done
     # (and reported by another rank) without rank 0 printing it.
     lost_steps = recovered[0]["data"]["steps_lost"]
+    # Should it fail: the fault as the summary has it, and the steps each node reported.
+    steps = [(e["kind"], e.get("node"), e.get("step"), e["data"]) for e in events(tmp_path)]
     assert lost_steps in (last_before - resumed, last_before + 1 - resumed), (
         f"rank 0 printed step {last_before} last, resumed after step {resumed}",
+        lost,
+        [s for s in steps if s[2] is not None or s[0] in ("fault_detected", "recovered")],
         output,
     )
     assert f"{lost_steps}" in output.split("steps lost", 1)[1]
