@@ -3,26 +3,32 @@ master, for N in 100, 1,000 and 10,000.
 
 The master is a real ``planaria run`` process (its own journal, timeline and API, plain HTTP
 on loopback) whose scheduler (``simulated_nodes.py``) starts no process: the agents are asyncio
-clients in this process that speak the agents' wire protocol (the JSON of
-:mod:`planaria.protocol`) over real HTTP/1.1 keep-alive connections, one per agent, each from
-an address of its own in 127.0.0.0/8 as agents on different hosts would be. No workers run
-behind them. Each agent registers, joins the first round, then long-polls its heartbeat with
-progress (the master holds each for ``master.heartbeat_interval`` = 1 s, as it does for real
-agents, so every agent beats once a second), goes through a restart round (one agent reports a
-worker failure: every node restarts in place) and a node replacement (one agent falls silent;
-the master declares it lost after ``heartbeat_timeout``, the scheduler hands out a new node id,
-a new agent registers as it and a new round forms).
+clients in this process that speak the agents' channel (:mod:`planaria.master.channel`: one
+WebSocket per agent, the JSON of :mod:`planaria.protocol`), each from an address of its own in
+127.0.0.0/8 as agents on different hosts would be. No workers run behind them. Each agent
+registers, joins the first round, then keeps a standing ``/actions`` request and sends a
+heartbeat with progress each ``master.heartbeat_interval`` (1 s; ``--interval``), as a notice
+that wants no reply as agents send them, but one in :data:`TIMED`, sent as a request and timed.
+It goes through a restart round (one agent reports a worker failure: every node restarts in
+place) and a node replacement (one agent falls silent; the master declares it lost after
+``heartbeat_timeout``, the scheduler hands out a new node id, a new agent registers as it and a
+new round forms).
 
 Figures, for each N:
 
 - ``round_s``: from the last agent's join to the last agent's ``ready`` (the round complete);
 - ``restart_round_s``: from the failure report to every agent ``ready`` in the next round;
+- ``action_all_ms`` (``action_p50_ms``): from the master's decision to restart to the last
+  agent (the median one) holding the pushed action; ``master_push_ms``: from the decision to
+  the last reply written (the master's ``planaria_channel_last_push_seconds``); and their
+  floor on this machine (``push_floor_write_ms``, ``push_floor_all_ms``): a message of the same
+  size written to N loopback connections by plain asyncio transports, read by another process;
 - ``replace_s``: from the master's ``node_lost`` event to every agent ``ready`` in the round
   with the replacement (``replace_total_s`` adds the heartbeat timeout before it);
-- heartbeats: per second over a window of steady long polls, and the latency of each beyond
-  the master's hold (p50/p99): what a queue in front of the master's loop adds. The window
-  starts :data:`SETTLE` seconds after the first round; the p99 of the beats before it, the
-  round's aftermath, is ``after_round_p99_ms``;
+- heartbeats: sent per second over a steady window, and the latency of the timed ones
+  (p50/p99): the wait in front of the master's loop. The window starts :data:`SETTLE` seconds
+  after the first round; the p99 of the beats before it, the round's aftermath, is
+  ``after_round_p99_ms``;
 - the master's CPU seconds per second of wall time (``/proc/PID/stat``, user + system) over the
   heartbeat window, and its resident memory (VmRSS) and peak (VmHWM).
 
@@ -66,6 +72,10 @@ SETTLE = 5.0
 is told ``ready`` at once and beats at once, a wave the master takes a few seconds to absorb at
 10,000 agents. The beats in between are measured too (``after_round_p99_ms``)."""
 TIMEOUT = 5.0  # master.heartbeat_timeout: silence after which a node is lost
+TIMED = 10
+"""One heartbeat in this many is sent as a request and timed: its reply comes once the master
+took every message the agent sent before it, so its latency is the wait in front of the
+master's loop. The others are notices, as agents send them (no reply)."""
 
 CONFIG = """\
 job:
@@ -107,6 +117,8 @@ class _Frames(asyncio.Protocol):
         self.buffer = b""
         self.upgraded: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.waiting: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
+        self.refused: str | None = None
+        """What the master said when it refused a message that had no ``seq`` to answer."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -135,6 +147,8 @@ class _Frames(asyncio.Protocol):
             payload, buffer = buffer[at : at + size], buffer[at + size :]
             if opcode == 8 and self.transport is not None:  # closed by the master
                 self.transport.close()
+            elif opcode == 1 and payload.startswith(b'{"re":null'):
+                self.refused = payload.decode(errors="replace")  # a notice, or the channel
             elif opcode == 1:
                 re_at = payload.index(b":") + 1
                 seq = int(payload[re_at : payload.index(b",", re_at)])
@@ -213,6 +227,17 @@ class Connection:
                 await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
         raise Rejected(f"{path}: no answer after 50 tries")
 
+    def tell(self, path: str, data: bytes) -> bool:
+        """Send a notice (no reply wanted, as agents send heartbeats) on the open channel:
+        False when there is none (the agent's standing request opens the next)."""
+        frames = self.frames
+        if frames is None or frames.transport is None:
+            return False
+        if frames.refused is not None:
+            raise Rejected(f"{path}: the master refused a notice: {frames.refused}")
+        frames.transport.write(_frame(b'{"op":"%s","body":%s}' % (path.encode(), data)))
+        return True
+
     def close(self) -> None:
         if self.frames is not None and self.frames.transport is not None:
             self.frames.transport.close()
@@ -239,8 +264,11 @@ class Agent:
     action_at: dict[int, float] = field(default_factory=dict)
     """Round -> when the master's action (restart, exit) that ended it reached this agent."""
     silent: bool = False
-    beats: list[tuple[float, float]] = field(default_factory=list)
-    """(answered, latency) of each heartbeat (monotonic clock)."""
+    timed_at: int = field(default_factory=lambda: random.randrange(TIMED))
+    """Which of every :data:`TIMED` beats this agent times: a tenth of the agents each second."""
+    beats: list[tuple[float, float | None]] = field(default_factory=list)
+    """(sent or answered, latency) of each heartbeat (monotonic clock); the latency of the
+    timed ones (one in :data:`TIMED`), None for the others."""
 
     async def register(self) -> None:
         body = {
@@ -289,6 +317,11 @@ class Agent:
                 self.step += 1
                 body = BEAT % (self.node_id.encode(), self.round, self.step, time.time())
                 sent = time.monotonic()
+                if (self.step + self.timed_at) % TIMED:  # a notice, as agents send heartbeats
+                    if self.conn.tell("/heartbeat", body):
+                        self.beats.append((sent, None))
+                    await asyncio.wait({pushed}, timeout=HOLD)
+                    continue
                 status, raw = await self.conn.send("/heartbeat", body)
                 took = time.monotonic() - sent
                 if status == 410 or self.silent:
@@ -497,8 +530,15 @@ async def measure(n: int, beat_window: float, root: Path) -> dict[str, float | i
         cpu1, t1 = master.cpu_s(), time.monotonic()
         # Beats answered within the window: each agent's come once per hold (and latency)
         # wherever the window falls, which beats sent within it do not, the agents being in step.
-        window = [late for a in agents for answered, late in a.beats if t0 <= answered <= t1]
-        aftermath = [late for a in agents for answered, late in a.beats if answered < t0]
+        window = [
+            late
+            for a in agents
+            for answered, late in a.beats
+            if t0 <= answered <= t1 and late is not None
+        ]
+        aftermath = [
+            late for a in agents for answered, late in a.beats if answered < t0 and late is not None
+        ]
         rate = beat_rate(agents, t0, t1)
         rss, _ = master.memory_mib()
         say(
@@ -597,6 +637,71 @@ async def measure(n: int, beat_window: float, root: Path) -> dict[str, float | i
             print(f"master exited {code}:\n{master.output()}", file=sys.stderr)
 
 
+SINK = """
+import asyncio, sys, time
+n, size = int(sys.argv[1]), int(sys.argv[2])
+async def main():
+    left, done = n * size, asyncio.get_running_loop().create_future()
+    class Sink(asyncio.Protocol):
+        def data_received(self, data):
+            nonlocal left
+            left -= len(data)
+            if left <= 0 and not done.done():
+                done.set_result(time.monotonic())
+    server = await asyncio.get_running_loop().create_server(Sink, "127.0.0.1", 0, backlog=4096)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    print(await done, flush=True)
+asyncio.run(main())
+"""
+"""The far end of :func:`push_floor`: reads N messages, says when the last byte came."""
+
+
+async def push_floor(n: int, size: int = 160) -> tuple[float, float]:
+    """The floor under a push to ``n`` agents on this machine: one message of ``size`` bytes
+    (a pushed action's) written to each of ``n`` loopback TCP connections by plain asyncio
+    transports, no framing or JSON, and read by an asyncio process on the other end. The time
+    to write them all and the time until the last one arrived, in ms."""
+    sink = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        SINK,
+        str(n),
+        str(size),
+        stdout=asyncio.subprocess.PIPE,
+        preexec_fn=_raise_open_files,
+    )
+    assert sink.stdout is not None
+    transports: list[asyncio.BaseTransport] = []
+    try:
+        port = int(await sink.stdout.readline())
+        loop = asyncio.get_running_loop()
+        for first in range(0, n, 500):
+            made = await asyncio.gather(
+                *(
+                    loop.create_connection(
+                        asyncio.Protocol, "127.0.0.1", port, local_addr=(source_address(i), 0)
+                    )
+                    for i in range(first, min(n, first + 500))
+                )
+            )
+            transports += [transport for transport, _ in made]
+        await asyncio.sleep(0.5)  # every connection accepted at the far end
+        message = b"x" * size
+        start = time.monotonic()
+        for transport in transports:
+            assert isinstance(transport, asyncio.WriteTransport)
+            transport.write(message)
+        written = time.monotonic()
+        arrived = float(await asyncio.wait_for(sink.stdout.readline(), 60))
+        return (written - start) * 1000, (arrived - start) * 1000
+    finally:
+        for transport in transports:
+            transport.close()
+        with contextlib.suppress(ProcessLookupError):
+            sink.kill()
+        await sink.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--agents", type=int, nargs="+", default=[100, 1000, 10000])
@@ -629,6 +734,20 @@ def main() -> None:
         finally:
             if not args.keep:
                 shutil.rmtree(root, ignore_errors=True)
+        # The baseline of the push, on the same machine in the same run (the master is gone:
+        # the connections are under the same open-file limit).
+        floor_write, floor_all = asyncio.run(push_floor(n))
+        row["push_floor_write_ms"], row["push_floor_all_ms"] = (
+            round(floor_write, 1),
+            round(floor_all, 1),
+        )
+        say(
+            n,
+            f"push: the master wrote it in {row['master_push_ms']:.0f} ms, plain asyncio writes "
+            f"in {floor_write:.0f} ms ({row['master_push_ms'] / floor_write:.2f}x); every agent "
+            f"had it in {row['action_all_ms']:.0f} ms, the plain messages in {floor_all:.0f} ms "
+            f"({row['action_all_ms'] / floor_all:.2f}x)",
+        )
         rows.append(row)
         print(json.dumps(row), flush=True)
     base = rows[0]
@@ -663,6 +782,8 @@ def main() -> None:
                     "restart_round_s",
                     "action_all_ms",
                     "master_push_ms",
+                    "push_floor_write_ms",
+                    "push_floor_all_ms",
                     "heartbeat_p99_ms",
                     "after_round_p99_ms",
                     "master_cpu_per_s",

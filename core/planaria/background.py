@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections.abc import Awaitable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
-F = TypeVar("F", asyncio.Future[None], concurrent.futures.Future[None])
+F = TypeVar("F", bound=asyncio.Future[Any] | concurrent.futures.Future[Any])
 
 
 class Running(Generic[F]):
@@ -28,7 +28,7 @@ class Running(Generic[F]):
         future.add_done_callback(self._futures.discard)
         return future
 
-    def start(self: Running[asyncio.Future[None]], work: Awaitable[None]) -> asyncio.Future[None]:
+    def start(self: Running[asyncio.Future[Any]], work: Awaitable[Any]) -> asyncio.Future[Any]:
         """Run ``work`` on the running loop, kept until it is done."""
         return self.keep(asyncio.ensure_future(work))
 

@@ -212,3 +212,50 @@ def test_bad_messages_are_refused_saying_what_is_wrong(tmp_path):
                 assert r.status == status, await r.text()
 
     asyncio.run(with_master(tmp_path, body))
+
+
+def test_a_notice_is_taken_without_a_reply_and_refused_with_one(tmp_path):
+    """A heartbeat sent as a notice (no ``seq``) tells the master of the node's progress and
+    gets nothing back; a notice it cannot take is refused with what is wrong, the channel
+    left open; one for a fenced node is not answered (its standing ``/actions`` says it)."""
+
+    async def body(master, session, url):
+        ws0, _ = await _register_and_join(session, url)
+
+        async def notice(op: str, data: dict) -> None:
+            await ws0.send_str(json.dumps({"op": op, "body": data}))
+
+        beat = {
+            "node_id": "node-0",
+            "round": 1,
+            "activity": "running",
+            "wait": False,
+            "progress": [{"local_rank": 0, "step": 7, "time": time.time(), "step_s": 0.1}],
+        }
+        await notice("/heartbeat", beat)
+        deadline = time.monotonic() + 10
+        while master.nodes["node-0"].step != 7:
+            assert time.monotonic() < deadline, "the notice was not taken"
+            await asyncio.sleep(0.02)
+        # Bad ones, each told (re null, the op named), the channel still open.
+        await notice("/heartbeat", {**beat, "round": "one"})
+        reply = await _reply(ws0)
+        assert reply["re"] is None and reply["op"] == "/heartbeat" and reply["status"] == 400
+        assert any(p.startswith("round:") for p in reply["body"]["problems"]), reply
+        await notice("/workers", {"node_id": "node-0"})
+        reply = await _reply(ws0)
+        assert reply["status"] == 404 and "send it with a seq" in reply["body"]["error"]
+        await notice("/heartbeat", {**beat, "node_id": "ghost"})
+        assert (await _reply(ws0))["status"] == 404
+        # Nothing came back for the good one: the next message is this request's reply.
+        await _ask(ws0, 3, "/heartbeat", beat)
+        reply = await _reply(ws0)
+        assert reply["re"] == 3 and reply["status"] == 200, reply
+        # Node 0 fenced out: its notices get no reply, its standing /actions gets the 410.
+        master.recovery.node_lost(master.nodes["node-0"], "lost by the test")
+        await notice("/heartbeat", beat)
+        await _ask(ws0, 4, "/actions", {"node_id": "node-0", "round": 1})
+        reply = await _reply(ws0)
+        assert reply["re"] == 4 and reply["status"] == 410, reply
+
+    asyncio.run(with_master(tmp_path, body))

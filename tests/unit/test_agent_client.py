@@ -39,6 +39,12 @@ async def _serve(not_yet_for: float, drop_first: bool = False):
         async for message in ws:
             assert message.type is WSMsgType.TEXT
             asked = json.loads(message.data)
+            if "seq" not in asked:  # a notice: refused, as a master refuses a bad one
+                seen.append((-1, 400))
+                body = {"error": f"{asked['op']} refused", "problems": ["round: not an int"]}
+                refusal = {"re": None, "op": asked["op"], "status": 400, "body": body}
+                await ws.send_str(json.dumps(refusal))
+                continue
             if drop_first and not seen:
                 seen.append((asked["seq"], 0))
                 await ws.close()
@@ -121,5 +127,36 @@ def test_not_yet_for_ever_ends_after_the_patience(monkeypatch) -> None:
             await client.close()
             await runner.cleanup()
         assert time.monotonic() - started < 5
+
+    asyncio.run(body())
+
+
+def test_a_notice_wants_no_reply_and_a_refused_one_leaves_the_channel_open() -> None:
+    async def body() -> None:
+        runner, port, seen = await _serve(not_yet_for=0)
+        client = MasterClient(f"http://127.0.0.1:{port}", "t", give_up_after=10)
+        try:
+            assert await client.tell("/heartbeat", Ask(node_id="n"))
+            # The refusal is logged; the request after it is answered on the same connection.
+            answer = await client.call("/status", Ask(node_id="n"), Answer)
+        finally:
+            await client.close()
+            await runner.cleanup()
+        assert answer.ok
+        assert seen[0] == (-1, 400) and seen[1][1] == 200
+        assert client.channel.connections == 1
+
+    asyncio.run(body())
+
+
+def test_a_notice_without_a_master_is_not_sent_and_does_not_raise() -> None:
+    async def body() -> None:
+        with _bound() as sock:  # bound, not listening: nothing answers there
+            port = sock.getsockname()[1]
+            client = MasterClient(f"http://127.0.0.1:{port}", "t", give_up_after=0.1)
+            try:
+                assert not await client.tell("/heartbeat", Ask(node_id="n"))
+            finally:
+                await client.close()
 
     asyncio.run(body())

@@ -94,6 +94,13 @@ class Channel:
         finally:
             self._waiting.pop(seq, None)
 
+    async def tell(self, op: str, body: str) -> None:
+        """Send a notice: ``op`` with ``body`` (its JSON), no reply wanted. Lost if the
+        connection drops meanwhile (a notice is what the next one says again); raises as
+        :meth:`ask` when there is no connection to be had."""
+        ws = await self._connected()
+        await ws.send_str(f'{{"op":{json.dumps(op)},"body":{body}}}')
+
     async def _connected(self) -> aiohttp.ClientWebSocketResponse[bool]:
         if self._ws is not None and not self._ws.closed:
             return self._ws
@@ -138,6 +145,12 @@ class Channel:
                 except (ValueError, KeyError, TypeError) as exc:
                     why = f"the master sent a message this agent cannot read: {exc}"
                     break
+                if seq is None and "op" in data:  # a notice refused
+                    error = body.get("error", body) if isinstance(body, dict) else body
+                    log.error(
+                        "the master refused a notice", op=data["op"], status=status, error=error
+                    )
+                    continue
                 if seq is None:  # about the channel itself: it is closed after it
                     why = f"the master refused a message: {body.get('error', body)}"
                     log.error("the master refused a channel message", error=why)

@@ -124,6 +124,31 @@ class MasterClient:
         finally:
             self.channel.done(ticket[0])
 
+    async def tell(self, path: str, body: BaseModel) -> bool:
+        """Tell the master ``path`` (a route that takes notices: ``/heartbeat``) with ``body``,
+        wanting no reply: False when there was no channel to send it on. A notice is what the
+        next one says again, so it is not retried; the agent's requests ride out the outage."""
+        try:
+            await self.channel.tell(path, body.model_dump_json())
+        except (ChannelRefused, aiohttp.ServerFingerprintMismatch) as exc:
+            raise self._refused(exc) from None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            log.debug("a notice not sent", path=path, error=str(exc) or type(exc).__name__)
+            return False
+        return True
+
+    def _refused(self, exc: ChannelRefused | aiohttp.ServerFingerprintMismatch) -> MasterRejected:
+        if isinstance(exc, ChannelRefused):
+            return MasterRejected(
+                f"the master at {self.url} refused this agent's channel ({exc.status}): "
+                f"{exc} (a wrong token, or a master of an older planaria)"
+            )
+        return MasterRejected(
+            f"the server at {self.url} is not this job's master: its certificate's "
+            f"SHA-256 is {exc.got.hex()[:16]}..., the job's is "
+            f"{exc.expected.hex()[:16]}... ({FINGERPRINT_ENV})"
+        )
+
     async def _call(self, ticket: list[int], path: str, body: str, reply: type[R]) -> R:
         delay = 0.05
         asked = time.monotonic()
@@ -147,17 +172,8 @@ class MasterClient:
                 if status != 200:
                     raise MasterRejected(f"master answered {status} to {path}: {text}")
                 return reply.model_validate(answer)
-            except ChannelRefused as exc:
-                raise MasterRejected(
-                    f"the master at {self.url} refused this agent's channel ({exc.status}): "
-                    f"{exc} (a wrong token, or a master of an older planaria)"
-                ) from None
-            except aiohttp.ServerFingerprintMismatch as exc:
-                raise MasterRejected(
-                    f"the server at {self.url} is not this job's master: its certificate's "
-                    f"SHA-256 is {exc.got.hex()[:16]}..., the job's is "
-                    f"{exc.expected.hex()[:16]}... ({FINGERPRINT_ENV})"
-                ) from None
+            except (ChannelRefused, aiohttp.ServerFingerprintMismatch) as exc:
+                raise self._refused(exc) from None
             except _NotYet as exc:  # it answers: only not yet what we asked
                 if time.monotonic() - asked > max(self.give_up_after, NOT_YET_PATIENCE):
                     raise MasterUnreachable(f"master at {self.url} kept saying {exc}") from exc

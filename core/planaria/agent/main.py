@@ -455,7 +455,7 @@ class Agent:
             if state.info.num_nodes >= SPREAD_NODES:  # not in one wave with every other node
                 await asyncio.wait({pushed}, timeout=random.random() * self.spec.heartbeat_interval)
             while not pushed.done():
-                await self.client.call("/heartbeat", self._beat(state, wait=False), HeartbeatReply)
+                await self.client.tell("/heartbeat", self._beat(state, wait=False))
                 await asyncio.wait({pushed}, timeout=self.spec.heartbeat_interval)
             return pushed.result().action
         finally:
@@ -503,7 +503,7 @@ class Agent:
 
     def _send(self, beat: Heartbeat) -> None:
         async def send() -> None:
-            await self.client.call("/heartbeat", beat, HeartbeatReply)
+            await self.client.tell("/heartbeat", beat)
 
         self._sends.start(send())
 

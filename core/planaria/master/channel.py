@@ -21,6 +21,12 @@ error's JSON).
   a reply kept for any other is forgotten. A request sent again, on a new connection after the
   old one dropped, gets the reply kept for its ``seq`` (or waits for the same answer) and is
   not served twice. ``{"cancel": N}`` gives a request up.
+- **Notices.** A message without ``seq`` is a notice, ``{"op": PATH, "body": {...}}``: it wants
+  no reply, and a route takes it only where the next one says it again (``/heartbeat``: the
+  node's progress, and that it lives). Nothing is sent back for it (at 10,000 agents, one
+  socket write per heartbeat was a fifth of the master's time), but for a refusal:
+  ``{"re": null, "op": PATH, "status": S, "body": {...}}``. A 409 or 410 is not sent: the
+  agent's standing ``/actions`` gets it too.
 
 A message that is not of this form gets an error reply (``re`` null when its ``seq`` cannot be
 read) and closes the channel with code 1008; the rest of the API is unaffected.
@@ -31,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -46,7 +53,7 @@ from planaria.log import get_logger
 from planaria.master.body import validate
 from planaria.master.guard import LIMITS
 from planaria.master.responses import BadRequest, error, refusal
-from planaria.master.routes import Context, Route
+from planaria.master.routes import FENCED, REATTACH, Context, Route
 from planaria.master.state import Deferred
 from planaria.protocol import API_PREFIX, ApiError
 
@@ -60,6 +67,9 @@ KEPT_CLIENTS = 200_000
 every agent of the largest job, and every agent replaced during it."""
 KEPT_REPLIES = 256
 """Unconfirmed replies kept per client: an agent has a few requests in flight at most."""
+SAID_ELSEWHERE = (REATTACH, FENCED)
+"""A notice refused for these is not answered: the agent's standing ``/actions`` is, with the
+same status (re-attach first; fenced)."""
 SEND_AT_ONCE = 1 << 15
 """A connection whose kernel buffer holds more than this many bytes gets its replies from a
 task of its own, so that one slow reader cannot hold up the replies to the others."""
@@ -172,6 +182,8 @@ class Channels:
                 asked.given_up = True
                 del client.asked[seq]
             return True
+        if "seq" not in envelope:
+            return await self._notice(ws, envelope, text)
         seq, op, waiting = envelope.get("seq"), envelope.get("op"), envelope.get("open", [])
         if type(seq) is not int or type(op) is not str or type(waiting) is not list:
             await self._refuse(
@@ -206,6 +218,36 @@ class Channels:
         self._post(seq, asked)
         return True
 
+    async def _notice(self, ws: web.WebSocketResponse, envelope: dict[str, Any], raw: str) -> bool:
+        """Take a notice: no reply, but a refusal the agent must hear of (one it would not
+        learn from its standing ``/actions``)."""
+        op = envelope.get("op")
+        if type(op) is not str:
+            await self._refuse(ws, None, 'a notice is {"op": string, "body": object}')
+            return False
+        route = self.ops.get(op)
+        if route is None or not route.notice:
+            why = f"the channel takes no notice {op!r}" + (" (send it with a seq)" if route else "")
+            await self._tell(ws, op, _reply(404, ApiError(error=why)))
+            return True
+        assert route.request is not None
+        try:
+            answer = route.call(self.context, validate(envelope.get("body"), route.request, raw))
+        except Exception as exc:
+            status, refused = _refused(exc, route)
+            if status not in SAID_ELSEWHERE:
+                await self._tell(ws, op, refused)
+            return True
+        if inspect.isawaitable(answer):  # none wants it; it runs to its end all the same
+            self._tasks.start(_awaited(answer, route))
+        return True
+
+    async def _tell(self, ws: web.WebSocketResponse, op: str, reply: str) -> None:
+        log.warning("a notice refused", op=op, reply=reply[:200])
+        if not ws.closed and ws in self.open:
+            with contextlib.suppress(ConnectionError):
+                await ws.send_str(f'{{"re":null,"op":{json.dumps(op)},{reply}')
+
     def _call(self, op: str, body: Any, raw: str) -> str | Deferred[str] | Any:
         """The reply to ``op`` with ``body`` as the message to send (``re`` left to fill), or
         a Deferred or awaitable of it."""
@@ -216,7 +258,7 @@ class Channels:
             model = validate(body, route.request, raw) if route.request is not None else None
             answer = route.call(self.context, model)
         except Exception as exc:
-            return _refused(exc, route)
+            return _refused(exc, route)[1]
         if isinstance(answer, Deferred):
             return answer.map(lambda a: _checked(a, route))
         if inspect.isawaitable(answer):
@@ -307,10 +349,11 @@ async def _awaited(answer: Any, route: Route) -> str:
     try:
         return _checked(await answer, route)
     except Exception as exc:
-        return _refused(exc, route)
+        return _refused(exc, route)[1]
 
 
-def _refused(exc: Exception, route: Route) -> str:
+def _refused(exc: Exception, route: Route) -> tuple[int, str]:
+    """The status and reply of a request ``route`` refused with ``exc``."""
     response = exc.response if isinstance(exc, BadRequest) else refusal(exc, "POST", route.path)
     assert isinstance(response.body, bytes)
-    return _reply(response.status, response.body.decode())
+    return response.status, _reply(response.status, response.body.decode())

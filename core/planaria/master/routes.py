@@ -92,6 +92,9 @@ class Route:
     channel: bool = False
     """Served on the agents' channel too (:mod:`planaria.master.channel`), where agents send
     it: a node's request, with a JSON body."""
+    notice: bool = False
+    """Also taken on the channel as a notice, which wants no reply (a heartbeat: the next one
+    says it again). Its call answers at once."""
 
     @property
     def operation_id(self) -> str:
@@ -182,6 +185,7 @@ ROUTES: tuple[Route, ...] = (
         _heartbeat,
         errors=NODE,
         channel=True,
+        notice=True,
     ),
     Route(
         "POST",
