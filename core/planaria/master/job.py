@@ -136,6 +136,7 @@ class Master:
         it, so a script that numbers them from 1 (or from a step restored from an earlier
         run) does not get one more than it did."""
         self.last_step = -1
+        self._idle = Action(kind="none", round=-1)
         """The highest step anything told of: heartbeats, joins, the workers' reports and
         checkpoint events (a step checkpointed is a step done, even when the heartbeat that
         would have said so never came, as when the job is stopped). Unlike a node's step it
@@ -549,7 +550,7 @@ class Master:
         if beat.first_step_time is not None and beat.round == self.rounds.round:
             self._first_step(node, beat)
         if not beat.wait:  # a progress update: the node's long poll collects actions
-            return Action(kind="none", round=self.rounds.round)
+            return self._no_action()
         if node.polled_round != beat.round:
             node.polled_round = beat.round
             if len(self.rounds.world) >= SPREAD_NODES:
@@ -575,7 +576,14 @@ class Master:
         node.last_seen = time.monotonic()  # the agent held the long poll open until now
         if action is None and self.state.terminal:
             action = Action(kind="exit", reason=self.reason)
-        return action or Action(kind="none", round=self.rounds.round)
+        return action or self._no_action()
+
+    def _no_action(self) -> Action:
+        """Nothing due: one (frozen) action per round, shared by every reply that says so,
+        rather than a model made per heartbeat."""
+        if self._idle.round != self.rounds.round:
+            self._idle = Action(kind="none", round=self.rounds.round)
+        return self._idle
 
     def saw_step(self, step: int) -> None:
         """Some report told of ``step``: training got at least that far."""

@@ -119,8 +119,18 @@ class UnknownRoute(LookupError):
     """A route this master does not serve as configured (404)."""
 
 
+_LAST_REPLY: list[HeartbeatReply] = []
+"""The heartbeat reply made last (one slot)."""
+
+
 def _beat_reply(action: Action) -> HeartbeatReply:
-    return HeartbeatReply(action=action)
+    """The reply that carries ``action``: the one made last when it carried the same action
+    (models are frozen: every heartbeat of a round shares its "nothing due")."""
+    if _LAST_REPLY and _LAST_REPLY[0].action is action:
+        return _LAST_REPLY[0]
+    reply = HeartbeatReply(action=action)
+    _LAST_REPLY[:] = [reply]
+    return reply
 
 
 def acked(report: Callable[[Context, Any], None]) -> Call:
