@@ -40,6 +40,8 @@ def test_the_control_plane_benchmark_goes_through_every_phase(tmp_path):
         "restart_round_s",
         "action_all_ms",
         "master_push_ms",
+        "push_floor_write_ms",
+        "push_floor_all_ms",
         "heartbeat_p99_ms",
         "after_round_p99_ms",
         "master_cpu_per_s",
@@ -53,6 +55,8 @@ def test_the_control_plane_benchmark_goes_through_every_phase(tmp_path):
         assert 0 < row["action_p50_ms"] <= row["action_all_ms"] < row["restart_round_s"] * 1000
         # The master's own side of a push burst, from its metrics (a few ms at this size).
         assert 0 <= row["master_push_ms"] < row["restart_round_s"] * 1000
+        # Its floor, measured in the same run: N plain messages written and read.
+        assert row["push_floor_write_ms"] > 0 and row["push_floor_all_ms"] > 0
         assert row["replace_total_s"] >= row["replace_s"] > 0
         # The heartbeat timeout (5 s) comes first, counted from the last beat (1 s apart).
         assert row["replace_total_s"] >= 4.0
