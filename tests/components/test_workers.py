@@ -610,16 +610,20 @@ def test_cancelled_start_leaves_nothing(tmp_path: Path) -> None:
     write(tmp_path / "slow.py", "import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(30)")
     prog = write(tmp_path / "ok.py", "pass")
 
+    out = tmp_path / "zygote.out"
+
     async def main() -> float:
         lau = launcher(tmp_path, [PY, str(prog)], preload=("slow",))
         warming = asyncio.ensure_future(lau.start())
-        await asyncio.sleep(0.3)
+        deadline = time.monotonic() + 60
+        while not out.read_text().strip():  # cancelled inside the preload, not before it
+            assert time.monotonic() < deadline and not warming.done(), "the preload never ran"
+            await asyncio.sleep(0.05)
         warming.cancel()
         start = time.monotonic()
         await lau.close()
         return time.monotonic() - start
 
-    out = tmp_path / "zygote.out"
     with open(out, "w") as f:  # the zygote's stdout is the agent's fd 2
         saved = os.dup(2)
         os.dup2(f.fileno(), 2)

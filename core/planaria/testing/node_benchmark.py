@@ -27,7 +27,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import Any, ClassVar
 import pytest
 from pydantic import ValidationError
 
+from planaria.agent.address import free_port
 from planaria.agent.preflight import run_benchmark
 from planaria.config import load
 from planaria.diagnosis.messages import BenchmarkRun, BenchmarkSpec, PreflightResult, PreflightTask
@@ -51,15 +51,15 @@ LOOPBACK = "127.0.0.1"
 
 
 def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
-    """``count`` distinct ports free on ``host`` a moment ago."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind((host, 0))
-        return [int(sock.getsockname()[1]) for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+    """``count`` distinct ports free on ``host`` a moment ago, picked as an agent picks its
+    group's (below the ephemeral range: a port the kernel hands out for any connection on a
+    busy machine may be taken again before the group binds it)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port(host)
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def group_task(
