@@ -22,7 +22,7 @@ from planaria.checkpoint.env import SEGMENT_ENV, SOCKET_ENV, STORAGE_ENV  # noqa
 from planaria.checkpoint.segment import WRITING, Segment  # noqa: E402
 from planaria.protocol import CheckpointSpec  # noqa: E402
 from planaria.shm import make_temp_dir, remove_dir  # noqa: E402
-from support.checkpoints import Node, ask, partials, store_at  # noqa: E402
+from support.checkpoints import Node, answered, ask, partials, send, store_at  # noqa: E402
 
 BIG = 16 << 20
 """Elements of a state whose save lasts long enough to be caught in the middle (64 MiB)."""
@@ -44,20 +44,29 @@ def test_a_kill_mid_save_while_the_persister_holds_a_slot_restores_the_newest_st
     segment = Segment.open(path)
     try:
         pinned = segment.pin(1)  # as the persister does while it writes step 1 to storage
-        assert ask(worker, f"save 2 {BIG} 0") == "saved 2"  # the newest complete step
-        assert worker.stdin is not None
-        worker.stdin.write(f"save 3 {BIG} 0\n")
-        worker.stdin.flush()
-        deadline = time.monotonic() + 60
-        while not any(i.state == WRITING for i in segment.infos()):
-            assert time.monotonic() < deadline, "the save never started"
-        os.kill(worker.pid, signal.SIGKILL)  # mid-copy of step 3
+        assert ask(worker, f"save 2 {BIG} 0") == "saved 2"
+        newest = 2  # the newest complete step
+        for step in range(3, 9):
+            send(worker, f"save {step} {BIG} 0")
+            deadline = time.monotonic() + 60
+            while not any(i.state == WRITING for i in segment.infos()):
+                # A save done before this loop saw it (descheduled meanwhile): the next one.
+                if (reply := answered(worker)) is not None:
+                    assert reply == f"saved {step}", reply
+                    newest = step
+                    break
+                assert time.monotonic() < deadline, "the save never started"
+            else:
+                break
+        else:
+            pytest.fail("no save was caught in the middle of its copy")
+        os.kill(worker.pid, signal.SIGKILL)  # mid-copy of the save after the newest
         worker.wait()
-        assert segment.valid()[0].step == 2
+        assert segment.valid()[0].step == newest
         segment.unpin(pinned)
     finally:
         segment.close()
-    # A restarted worker restores step 2 from memory, whole.
+    # A restarted worker restores the newest step from memory, whole.
     monkeypatch.setenv(SOCKET_ENV, str(node.socket))
     monkeypatch.setenv(SEGMENT_ENV, str(path))
     monkeypatch.setenv(STORAGE_ENV, json.dumps(node.spec))
@@ -65,9 +74,9 @@ def test_a_kill_mid_save_while_the_persister_holds_a_slot_restores_the_newest_st
     try:
         state = {"w": torch.zeros(BIG)}
         restored = restarted.load(state)
-        assert restored is not None and restored[0] == 2
+        assert restored is not None and restored[0] == newest
         assert restarted.restored_from == "memory"
-        assert torch.equal(state["w"], torch.full((BIG,), 2.0))
+        assert torch.equal(state["w"], torch.full((BIG,), float(newest)))
     finally:
         restarted.close()
 

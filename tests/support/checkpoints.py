@@ -139,6 +139,28 @@ WORKER = textwrap.dedent(
 )
 
 
+def send(worker: subprocess.Popen[str], line: str) -> None:
+    """Send one line to a worker, its answer to be read with :func:`answered`."""
+    assert worker.stdin is not None
+    _answers(worker)
+    worker.stdin.write(line + "\n")
+    worker.stdin.flush()
+
+
+def answered(worker: subprocess.Popen[str]) -> str | None:
+    """The worker's answer, if one came (its log lines skipped); None if none yet."""
+    answers = _answers(worker)
+    while True:
+        try:
+            answer = answers.get_nowait()
+        except queue.Empty:
+            return None
+        if answer is None:
+            raise EOFError(f"the worker exited ({worker.wait()})")
+        if answer.split(" ", 1)[0] in ("saved", "idle", "error"):
+            return answer
+
+
 def _answers(worker: subprocess.Popen[str]) -> queue.Queue[str | None]:
     if worker.pid not in _queues:
         lines: queue.Queue[str | None] = queue.Queue()

@@ -101,6 +101,21 @@ at a random time within the interval, not at its first step (10,000 nodes starti
 write 10,000 at once)."""
 
 
+_LAST_REPLY: list[HeartbeatReply] = []
+"""The heartbeat reply made last (one slot)."""
+
+
+def beat_reply(action: Action) -> HeartbeatReply:
+    """The reply that carries ``action``: the one made last when it carried the same action
+    (models are frozen: every heartbeat of a round shares its "nothing due", every node of a
+    restart its restart)."""
+    if _LAST_REPLY and _LAST_REPLY[0].action is action:
+        return _LAST_REPLY[0]
+    reply = HeartbeatReply(action=action)
+    _LAST_REPLY[:] = [reply]
+    return reply
+
+
 class Master:
     def __init__(
         self,
@@ -567,7 +582,7 @@ class Master:
         waiting = self.fleet.wait_for_action(node, None, stopping=self.state.terminal)
 
         def reply() -> HeartbeatReply:
-            return HeartbeatReply(action=self._next_action(node))
+            return beat_reply(self._next_action(node))
 
         return reply() if waiting is None else Deferred(waiting, reply)
 
@@ -873,8 +888,9 @@ class Master:
             return
         members = set(self.rounds.world)
         round_now = self.open_round()
+        restart = Action(kind="restart", round=round_now, reason="scale up")
         for node_id in members:
-            self.nodes[node_id].send(Action(kind="restart", round=round_now, reason="scale up"))
+            self.nodes[node_id].send(restart)
         self.timeline.emit(
             events.WorkersRestarted(
                 round=round_now, cause="scale_up", standby=[n.node_id for n in standby]

@@ -239,12 +239,13 @@ class Recovery:
         self.restarts += 1
         round_now = self.job.open_round()
         fault.restart_round = round_now
+        restart = Action(kind="restart", round=round_now, reason=fault.detail)  # frozen: one
         for node in self.fleet.nodes.values():
             # A node standing by runs nothing: its held join goes on into the round just
             # opened. Told to restart as well, it would stop the workers it starts there.
             if node.phase.gone or node.phase in (NodePhase.LAUNCHED, NodePhase.STANDBY):
                 continue
-            node.send(Action(kind="restart", round=round_now, reason=fault.detail))
+            node.send(restart)
         self.timeline.emit(
             events.WorkersRestarted(
                 round=round_now,

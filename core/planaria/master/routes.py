@@ -20,13 +20,12 @@ from planaria.diagnosis.messages import (
     PreflightPoll,
     PreflightResult,
 )
-from planaria.master.job import Master
+from planaria.master.job import Master, beat_reply
 from planaria.master.metrics import MEDIA_TYPE, Exposition, JobMetrics
 from planaria.master.state import Deferred
 from planaria.protocol import (
     API_PREFIX,
     Ack,
-    Action,
     ActionRequest,
     BindReply,
     BindRequest,
@@ -105,8 +104,8 @@ class Route:
 def _heartbeat(c: Context, beat: Heartbeat) -> HeartbeatReply | Deferred[HeartbeatReply]:
     action = c.master.heartbeat(beat, c.hold if beat.wait else 0.0)
     if isinstance(action, Deferred):
-        return action.map(_beat_reply)
-    return _beat_reply(action)
+        return action.map(beat_reply)
+    return beat_reply(action)
 
 
 def _bind(c: Context, body: BindRequest) -> BindReply:
@@ -117,20 +116,6 @@ def _bind(c: Context, body: BindRequest) -> BindReply:
 
 class UnknownRoute(LookupError):
     """A route this master does not serve as configured (404)."""
-
-
-_LAST_REPLY: list[HeartbeatReply] = []
-"""The heartbeat reply made last (one slot)."""
-
-
-def _beat_reply(action: Action) -> HeartbeatReply:
-    """The reply that carries ``action``: the one made last when it carried the same action
-    (models are frozen: every heartbeat of a round shares its "nothing due")."""
-    if _LAST_REPLY and _LAST_REPLY[0].action is action:
-        return _LAST_REPLY[0]
-    reply = HeartbeatReply(action=action)
-    _LAST_REPLY[:] = [reply]
-    return reply
 
 
 def acked(report: Callable[[Context, Any], None]) -> Call:
