@@ -151,11 +151,12 @@ class Master:
         it, so a script that numbers them from 1 (or from a step restored from an earlier
         run) does not get one more than it did."""
         self.last_step = -1
-        self._idle = Action(kind="none", round=-1)
         """The highest step anything told of: heartbeats, joins, the workers' reports and
         checkpoint events (a step checkpointed is a step done, even when the heartbeat that
         would have said so never came, as when the job is stopped). Unlike a node's step it
         never goes back: a new round starts the nodes' steps afresh. Steps done count to it."""
+        self._idle = Action(kind="none", round=-1)
+        """What :meth:`_no_action` answers in the current round."""
         self.finished_at: float | None = None
         self.loss: tuple[int, int, float] | None = None
         """Rank 0's last training loss: (its round, its step, the loss); None until a worker
