@@ -23,8 +23,8 @@ error's JSON).
   not served twice. ``{"cancel": N}`` gives a request up.
 - **Notices.** A message without ``seq`` is a notice, ``{"op": PATH, "body": {...}}``: it wants
   no reply, and a route takes it only where the next one says it again (``/heartbeat``: the
-  node's progress, and that it lives). Nothing is sent back for it (at 10,000 agents, one
-  socket write per heartbeat was a fifth of the master's time), but for a refusal:
+  node's progress, and that it lives). Nothing is sent back for it (in a profile at 3,000
+  agents, one socket write per heartbeat was a fifth of the master's time), but a refusal:
   ``{"re": null, "op": PATH, "status": S, "body": {...}}``. A 409 or 410 is not sent: the
   agent's standing ``/actions`` gets it too.
 
