@@ -244,9 +244,7 @@ class Channels:
 
     async def _tell(self, ws: web.WebSocketResponse, op: str, reply: str) -> None:
         log.warning("a notice refused", op=op, reply=reply[:200])
-        if not ws.closed and ws in self.open:
-            with contextlib.suppress(ConnectionError):
-                await ws.send_str(f'{{"re":null,"op":{json.dumps(op)},{reply}')
+        await self._send(ws, None, f'"op":{json.dumps(op)},{reply}')
 
     def _call(self, op: str, body: Any, raw: str) -> str | Deferred[str] | Any:
         """The reply to ``op`` with ``body`` as the message to send (``re`` left to fill), or
