@@ -105,6 +105,18 @@ def allocation_addresses(job_id: str | None) -> list[str]:
         return []
 
 
+def _scancel(step_ids: list[str], sig: signal.Signals) -> list[str]:
+    """The command that sends ``sig`` to every process of the steps, on their nodes."""
+    return ["scancel", f"--signal={sig.name[3:]}", *step_ids]
+
+
+def _run_scancel(step_ids: list[str], sig: signal.Signals) -> None:
+    try:
+        commands.run(_scancel(step_ids, sig), check=False)
+    except SchedulerError as exc:
+        log.warning("scancel failed", error=str(exc))
+
+
 class SlurmScheduler(EngineScheduler[SlurmOptions, _Step]):
     """Nodes are job steps of a Slurm allocation (see the module docstring)."""
 
@@ -504,17 +516,14 @@ class SlurmScheduler(EngineScheduler[SlurmOptions, _Step]):
         step down when killed)."""
         known = [s for s in steps if s.step_id is not None]
         if known:
-            argv = ["scancel", f"--signal={sig.name[3:]}", *[str(s.step_id) for s in known]]
+            ids = [str(s.step_id) for s in known]
             if wait:
-                try:
-                    commands.run(argv, check=False)
-                except SchedulerError as exc:
-                    log.warning("scancel failed", error=str(exc))
+                _run_scancel(ids, sig)
             else:
                 self._background = [p for p in self._background if p.poll() is None]
                 self._background.append(
                     process.popen(
-                        argv,
+                        _scancel(ids, sig),
                         die_with_parent=False,
                         stdin=subprocess.DEVNULL,
                         stdout=subprocess.DEVNULL,
@@ -570,17 +579,25 @@ class SlurmScheduler(EngineScheduler[SlurmOptions, _Step]):
 
     def _wait_steps_gone(self, names: set[str], timeout: float = 10.0) -> None:
         """A step leaves squeue a moment after its srun ends: wait for that, so that a stop
-        that returned left nothing of the job running."""
+        that returned left nothing of the job running. A step still listed a second on is
+        sent SIGKILL again: a signal that reached its node before the step's tasks were
+        started (a busy node) was lost, and the tasks would run on."""
         if self._job_id is None:
             return
         deadline = time.monotonic() + timeout
+        again = time.monotonic() + 1.0
         while True:
             try:
                 steps = commands.job_steps(self._job_id)
             except SchedulerError:
                 return
-            if not names & steps.keys() or time.monotonic() >= deadline:
+            left = [steps[name] for name in names & steps.keys()]
+            now = time.monotonic()
+            if not left or now >= deadline:
                 return
+            if now >= again:
+                again = now + 1.0
+                _run_scancel(left, signal.SIGKILL)
             time.sleep(0.1)
 
     def after_stop(self, nodes: list[_SlurmNode], everything: bool) -> None:
