@@ -203,13 +203,17 @@ def test_bad_messages_are_refused_saying_what_is_wrong(tmp_path):
         assert "JSON object" in reply["body"]["error"]
         closed = await ws.receive(timeout=5)
         assert closed.type is aiohttp.WSMsgType.CLOSE and closed.data == 1008
-        # Without the token, or without a client id, there is no channel.
-        for headers, query, status in (({}, "?client=a", 401), (AUTH, "", 400)):
-            async with session.get(
-                f"{url}/channel{query}",
-                headers={**headers, "Upgrade": "websocket", "Connection": "Upgrade"},
-            ) as r:
+        # Without the token, a client id or an upgrade, there is no channel; the refusal is
+        # the API's (JSON, saying what is wrong).
+        upgrade = {"Upgrade": "websocket", "Connection": "Upgrade"}
+        for headers, query, status, said in (
+            (upgrade, "?client=a", 401, "token"),
+            ({**AUTH, **upgrade}, "", 400, "client=ID"),
+            (AUTH, "?client=a", 400, "GET /v1/channel"),
+        ):
+            async with session.get(f"{url}/channel{query}", headers=headers) as r:
                 assert r.status == status, await r.text()
+                assert said in (await r.json())["error"]
 
     asyncio.run(with_master(tmp_path, body))
 

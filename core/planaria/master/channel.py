@@ -39,20 +39,19 @@ import contextlib
 import inspect
 import json
 import re
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import pydantic_core
-from aiohttp import WSCloseCode, WSMsgType, web
+from aiohttp import WSCloseCode, WSMessage, WSMsgType, web
 from pydantic import BaseModel
 
 from planaria.background import Running
 from planaria.log import get_logger
 from planaria.master.body import validate
 from planaria.master.guard import LIMITS
-from planaria.master.responses import BadRequest, error, refusal
+from planaria.master.responses import BadRequest, error, refusal, refused
 from planaria.master.routes import FENCED, REATTACH, Context, Route
 from planaria.master.state import Deferred
 from planaria.protocol import API_PREFIX, ApiError
@@ -70,19 +69,38 @@ KEPT_REPLIES = 256
 SAID_ELSEWHERE = (REATTACH, FENCED)
 """A notice refused for these is not answered: the agent's standing ``/actions`` is, with the
 same status (re-attach first; fenced)."""
+_CLOSED = (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED)
+"""What ``receive()`` gives once the channel is closing or closed."""
+SEND_CHUNK = 256
+"""Replies sent in a row before the loop gets a turn (about 10 ms of writes here)."""
 SEND_AT_ONCE = 1 << 15
 """A connection whose kernel buffer holds more than this many bytes gets its replies from a
 task of its own, so that one slow reader cannot hold up the replies to the others."""
 
 
-@dataclass(eq=False)
 class _Asked:
-    """One request of a client, by its ``seq``: its reply once there is one."""
+    """One request of a client, by its ``seq``: its reply once there is one. While its answer
+    is deferred it is the callback of the wait (called when the wait is done), so that a
+    standing request costs one small object, not a closure and its cells."""
 
-    reply: str | None = None
-    waiting: list[web.WebSocketResponse] = field(default_factory=list)
-    """Connections that asked for it before it was answered."""
-    given_up: bool = False
+    __slots__ = ("channels", "deferred", "given_up", "reply", "route", "seq", "waiting")
+
+    def __init__(self, seq: int) -> None:
+        self.reply: str | None = None
+        self.waiting: list[web.WebSocketResponse] = []
+        """Connections that asked for it before it was answered."""
+        self.given_up = False
+        self.seq = seq
+        self.deferred: Deferred[Any] | None = None
+        self.route: Route | None = None
+        self.channels: Channels | None = None
+
+    def __call__(self, _: asyncio.Future[Any]) -> None:
+        """The deferred answer's wait is done."""
+        assert self.channels is not None and self.deferred is not None and self.route is not None
+        channels, deferred, route = self.channels, self.deferred, self.route
+        self.channels = self.deferred = self.route = None
+        channels._answered(self, deferred, route)
 
 
 class _Client:
@@ -113,7 +131,7 @@ class Channels:
         self.clients: OrderedDict[str, _Client] = OrderedDict()
         self.open: dict[web.WebSocketResponse, asyncio.Transport | None] = {}
         """The open channels, and the transport each one is on."""
-        self._outbox: list[tuple[web.WebSocketResponse, int, _Asked]] = []
+        self._outbox: list[tuple[web.WebSocketResponse, _Asked]] = []
         self._flushing: asyncio.Task[None] | None = None
         self._tasks: Running[asyncio.Future[None]] = Running()
         self.stats = context.master.channel
@@ -132,26 +150,27 @@ class Channels:
         return found
 
     async def serve(self, request: web.Request) -> web.StreamResponse:
+        """Serve one agent's channel until it closes (no middleware frame stands beside it:
+        its refusals before the upgrade are answered here as the API's)."""
         client_id = request.query.get("client", "")
         if not CLIENT.fullmatch(client_id):
-            raise BadRequest(
-                error(400, f"GET {PATH} needs ?client=ID (1 to 64 of A-Z a-z 0-9 _ . -)")
-            )
+            return error(400, f"GET {PATH} needs ?client=ID (1 to 64 of A-Z a-z 0-9 _ . -)")
         ws = web.WebSocketResponse(
             max_msg_size=request.app[LIMITS].max_request_bytes, compress=False
         )
-        await ws.prepare(request)
+        try:
+            await ws.prepare(request)
+        except Exception as exc:  # not an upgrade to a WebSocket
+            return refused(request, exc)
         client = self.client(client_id)
         transport = request.transport
         self.open[ws] = transport if isinstance(transport, asyncio.Transport) else None
         self.stats.open = len(self.open)
         try:
-            async for message in ws:
-                if message.type is not WSMsgType.TEXT:
-                    await self._refuse(ws, None, "a channel message is a JSON text message")
-                    break
-                if not await self._take(ws, client, message.data):
-                    break
+            # Each message is handed on as it came, held by no name here while the next one
+            # is awaited (its bytes, at 10,000 agents, are memory).
+            while await self._take(ws, client, await ws.receive()):
+                pass
         except Exception:  # a bug of the master's, not the agent's: said, and the agent retries
             log.exception("a channel failed; it is closed", client=client_id)
             await ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"the master failed")
@@ -165,8 +184,15 @@ class Channels:
         for ws in list(self.open):
             await ws.close(code=WSCloseCode.GOING_AWAY, message=b"the master stops")
 
-    async def _take(self, ws: web.WebSocketResponse, client: _Client, text: str) -> bool:
-        """Serve one message; False when it was not one (the channel is closed)."""
+    async def _take(self, ws: web.WebSocketResponse, client: _Client, message: WSMessage) -> bool:
+        """Serve one message; False when the channel closed, or the message was not one (the
+        channel is closed then)."""
+        if message.type is not WSMsgType.TEXT:
+            if message.type in _CLOSED:
+                return False
+            await self._refuse(ws, None, "a channel message is a JSON text message")
+            return False
+        text: str = message.data
         try:
             envelope = pydantic_core.from_json(text, allow_inf_nan=False)
         except ValueError as exc:
@@ -197,25 +223,27 @@ class Channels:
         if asked is not None:  # sent again (the connection it first came on dropped)
             asked.waiting.append(ws)
             if asked.reply is not None:
-                self._post(seq, asked)
+                self._post(asked)
             return True
         if len(client.asked) >= KEPT_REPLIES:
             why = f"over {KEPT_REPLIES} requests unanswered or unconfirmed (open)"
             await self._refuse(ws, seq, why)
             return False
-        asked = client.asked[seq] = _Asked()
+        asked = client.asked[seq] = _Asked(seq)
         reply = self._call(op, envelope.get("body"), raw=text)
-        if isinstance(reply, Deferred):
+        if isinstance(reply, tuple):  # deferred: answered when its wait is done
+            asked.deferred, asked.route = reply
+            asked.channels = self
             asked.waiting.append(ws)
-            reply.waiting.add_done_callback(lambda _: self._answered(seq, asked, reply))
+            asked.deferred.waiting.add_done_callback(asked)
             return True
         if inspect.isawaitable(reply):
             asked.waiting.append(ws)
-            self._tasks.start(self._later(seq, asked, reply))
+            self._tasks.start(self._later(asked, reply))
             return True
         asked.reply = reply
         asked.waiting.append(ws)
-        self._post(seq, asked)
+        self._post(asked)
         return True
 
     async def _notice(self, ws: web.WebSocketResponse, envelope: dict[str, Any], raw: str) -> bool:
@@ -246,9 +274,9 @@ class Channels:
         log.warning("a notice refused", op=op, reply=reply[:200])
         await self._send(ws, None, f'"op":{json.dumps(op)},{reply}')
 
-    def _call(self, op: str, body: Any, raw: str) -> str | Deferred[str] | Any:
+    def _call(self, op: str, body: Any, raw: str) -> str | tuple[Deferred[BaseModel], Route] | Any:
         """The reply to ``op`` with ``body`` as the message to send (``re`` left to fill), or
-        a Deferred or awaitable of it."""
+        an awaitable of it, or the route's deferred answer (and the route)."""
         route = self.ops.get(op)
         if route is None:
             return _reply(404, ApiError(error=f"the channel serves no {op!r}"))
@@ -258,56 +286,65 @@ class Channels:
         except Exception as exc:
             return _refused(exc, route)[1]
         if isinstance(answer, Deferred):
-            return answer.map(lambda a: _checked(a, route))
+            return answer, route
         if inspect.isawaitable(answer):
             return _awaited(answer, route)
         return _checked(answer, route)
 
-    def _answered(self, seq: int, asked: _Asked, deferred: Deferred[str]) -> None:
+    def _answered(self, asked: _Asked, deferred: Deferred[BaseModel], route: Route) -> None:
         if asked.given_up:
             return
         try:
-            asked.reply = deferred.then()
+            asked.reply = _checked(deferred.then(), route)
         except Exception as exc:  # the answer could not be made: say so, do not hang
             asked.reply = _reply(500, ApiError(error=f"the master failed to answer: {exc!r}"))
         if self._burst is None:
             self._burst = asyncio.get_running_loop().time()
         self._burst_replies += 1
-        self._post(seq, asked)
+        self._post(asked)
 
-    async def _later(self, seq: int, asked: _Asked, reply: Any) -> None:
+    async def _later(self, asked: _Asked, reply: Any) -> None:
         asked.reply = await reply
-        self._post(seq, asked)
+        self._post(asked)
 
-    def _post(self, seq: int, asked: _Asked) -> None:
+    def _post(self, asked: _Asked) -> None:
         assert asked.reply is not None
         for ws in asked.waiting:
-            self._outbox.append((ws, seq, asked))
+            self._outbox.append((ws, asked))
         asked.waiting.clear()
         if self._flushing is None:
             self._flushing = asyncio.ensure_future(self._flush())
 
     async def _flush(self) -> None:
-        """Send the outbox: one journal write for all of it (what its replies changed), then
-        each reply, in this one task; again for what came meanwhile."""
+        """Send the outbox, in this one task: one journal write for all that came in at once
+        (what its replies changed), then each reply. A long burst (a restart of 10,000 nodes)
+        gives the loop a turn every :data:`SEND_CHUNK` replies, and what came meanwhile (a
+        heartbeat's reply) goes out next, before the rest of the burst: no reply waits behind
+        more than a chunk of it, and the requests the burst brings are served as it goes."""
+        queue: deque[tuple[web.WebSocketResponse, _Asked]] = deque()
         try:
-            while self._outbox:
-                batch, self._outbox = self._outbox, []
-                try:
-                    await self.context.master.journal_committed()
-                except Exception as exc:  # not on disk: no reply may say it was taken
-                    failed = _reply(500, ApiError(error=f"the master's journal failed: {exc}"))
-                    for _, _, asked in batch:
-                        asked.reply = failed
-                for ws, seq, asked in batch:
+            while self._outbox or queue:
+                if self._outbox:
+                    batch, self._outbox = self._outbox, []
+                    try:
+                        await self.context.master.journal_committed()
+                    except Exception as exc:  # not on disk: no reply may say it was taken
+                        failed = _reply(500, ApiError(error=f"the master's journal failed: {exc}"))
+                        for _, asked in batch:
+                            asked.reply = failed
+                    queue.extendleft(reversed(batch))
+                for _ in range(min(SEND_CHUNK, len(queue))):
+                    ws, asked = queue.popleft()
                     reply = asked.reply
                     assert reply is not None
                     transport = self.open.get(ws)
                     if transport is not None and transport.get_write_buffer_size() > SEND_AT_ONCE:
-                        self._tasks.start(self._send(ws, seq, reply))  # holds up no one else
+                        self._tasks.start(self._send(ws, asked.seq, reply))  # holds up no one else
                     else:
-                        await self._send(ws, seq, reply)
-                if self._burst is not None and not self._outbox:
+                        await self._send(ws, asked.seq, reply)
+                if queue:
+                    await asyncio.sleep(0)
+                elif self._burst is not None and not self._outbox:
                     self.stats.last_push_s = asyncio.get_running_loop().time() - self._burst
                     self.stats.last_push_replies, self._burst = self._burst_replies, None
                     self._burst_replies = 0

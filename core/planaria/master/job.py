@@ -16,6 +16,7 @@ a module of its own already.
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import sqlite3
 import time
@@ -581,11 +582,13 @@ class Master:
         no time limit, as the channel is watched by its own pings."""
         node = self.heard_from(request.node_id)
         waiting = self.fleet.wait_for_action(node, None, stopping=self.state.terminal)
+        if waiting is None:
+            return self._action_reply(node)
+        # A partial, not a closure: one of these stands for every node (memory at 10,000).
+        return Deferred(waiting, functools.partial(self._action_reply, node))
 
-        def reply() -> HeartbeatReply:
-            return beat_reply(self._next_action(node))
-
-        return reply() if waiting is None else Deferred(waiting, reply)
+    def _action_reply(self, node: Node) -> HeartbeatReply:
+        return beat_reply(self._next_action(node))
 
     def _next_action(self, node: Node) -> Action:
         action = self.fleet.next_action(node)

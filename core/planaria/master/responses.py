@@ -1,7 +1,6 @@
 """The API's answers as aiohttp responses: a reply model as JSON, and the refusals (400,
-404, 409, 410, 413 ...) with what is wrong, each the status its error type calls for. Both paths
-of a request (aiohttp's and the hot one) refuse through :func:`refusal`, so their answers are
-the same."""
+404, 409, 410, 413 ...) with what is wrong, each the status its error type calls for. A request
+and a channel message refuse through :func:`refusal`, so their answers are the same."""
 
 from __future__ import annotations
 
@@ -77,3 +76,14 @@ def refusal(exc: Exception, method: str, path: str) -> web.Response:
         return error(403, str(exc))
     log.exception("API request failed", method=method, path=path)
     return error(500, f"the master failed to serve {path}: {exc!r}")
+
+
+def refused(request: web.Request, exc: Exception) -> web.Response:
+    """The answer to ``request`` whose handler raised ``exc`` (called in its ``except``):
+    aiohttp's own refusals (404, 405 ...) as JSON too; a redirect is raised on."""
+    if isinstance(exc, web.HTTPException):
+        if exc.status < 400:
+            raise exc
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return error(exc.status, f"{request.method} {request.path}: {exc.reason}", headers=allow)
+    return refusal(exc, request.method, request.path)

@@ -1,0 +1,79 @@
+"""The channel's outbox (:class:`planaria.master.channel.Channels`): a long burst of pushed
+replies does not hold up a reply made while it is sent, and every reply goes out once, after
+the journal write of what it answered."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+from planaria.master.channel import SEND_CHUNK, Channels, _Asked
+from planaria.master.state import ChannelStats
+
+BURST = 3 * SEND_CHUNK + 17
+REPLY = '"status":200,"body":{}}'
+
+
+class _Master:
+    def __init__(self) -> None:
+        self.channel = ChannelStats()
+        self.commits = 0
+
+    async def journal_committed(self) -> None:
+        await asyncio.sleep(0)
+        self.commits += 1
+
+
+class _Socket:
+    """An open channel that records what it was sent, and the journal writes done by then."""
+
+    closed = False
+
+    def __init__(self, master: _Master) -> None:
+        self.master = master
+        self.sent: list[tuple[int, int]] = []
+        self.on_send: dict[int, object] = {}
+
+    async def send_str(self, text: str) -> None:
+        self.sent.append((json.loads(text)["re"], self.master.commits))
+        hook = self.on_send.pop(len(self.sent), None)
+        if hook is not None:
+            hook()  # type: ignore[operator]
+
+
+def _post(channels: Channels, ws: _Socket, seq: int) -> None:
+    asked = _Asked(seq)
+    asked.reply = REPLY
+    asked.waiting.append(ws)  # type: ignore[arg-type]
+    channels._post(asked)
+
+
+def test_a_reply_made_during_a_burst_goes_out_before_the_rest_of_it() -> None:
+    async def main() -> None:
+        master = _Master()
+        channels = Channels([], SimpleNamespace(master=master))  # type: ignore[arg-type]
+        ws = _Socket(master)
+        channels.open[ws] = None  # type: ignore[index]
+        commits_when_made: dict[int, int] = {}
+
+        def made_meanwhile() -> None:  # a heartbeat answered while the burst is sent
+            commits_when_made[-1] = master.commits
+            _post(channels, ws, -1)
+
+        ws.on_send[10] = made_meanwhile
+        for seq in range(BURST):
+            _post(channels, ws, seq)
+        while channels._flushing is not None:
+            await asyncio.sleep(0)
+
+        order = [seq for seq, _ in ws.sent]
+        assert sorted(order) == [-1, *range(BURST)], "every reply sent exactly once"
+        assert order.index(-1) <= SEND_CHUNK, f"it waited behind {order.index(-1)} replies"
+        assert [s for s in order if s >= 0] == list(range(BURST)), "the burst kept its order"
+        # Each reply after a journal write that followed its making.
+        commits = dict(ws.sent)
+        assert commits[-1] > commits_when_made[-1]
+        assert all(commits[s] >= 1 for s in range(BURST))
+
+    asyncio.run(main())
