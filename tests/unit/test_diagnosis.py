@@ -354,3 +354,21 @@ def test_the_straggler_check_is_the_same_for_many_ranks():
     assert (slow.rank, slow.metric) == (1234, "busy")
     plain = statistics.median(t.busy_s for r, t in times.items() if r != 1234)
     assert slow.others_s == pytest.approx(plain)
+
+
+@given(
+    st.lists(st.floats(min_value=0, max_value=10, allow_nan=False), min_size=2, max_size=40),
+    st.floats(min_value=1.01, max_value=4),
+)
+def test_the_straggler_check_flags_exactly_the_ranks_the_definition_does(busy, factor):
+    """Looked at from the slowest down and stopped at the first rank that is not slow, the
+    check flags every rank, and only those, that work ``factor`` times longer than the median
+    of the others (ties and zero medians included)."""
+    times = {r: RankTimes(f"n{r}", 0, None, b) for r, b in enumerate(busy)}
+    flagged = {s.rank for s in StragglerDetector(factor).check(times)}
+    plain = set()
+    for r, b in enumerate(busy):
+        others = statistics.median(busy[:r] + busy[r + 1 :])
+        if others > 0 and b > factor * others:
+            plain.add(r)
+    assert flagged == plain

@@ -13,6 +13,7 @@ The wall-clock step time finds a slow rank when ranks do not wait for each other
 
 from __future__ import annotations
 
+import operator
 import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -101,26 +102,31 @@ class StragglerDetector:
         """``times``: every rank of the running world by global rank. Needs all of them, with
         full windows, to judge: a rank without numbers yet is no baseline.
 
-        O(n log n) in the ranks: one sort per measure, then each rank's "median of the others"
-        is read off the sorted values around the rank's own place (a job of 10,000 nodes is
-        checked in milliseconds, not the minutes a median per rank would take)."""
+        O(n log n) in the ranks: one sort per measure, then the ranks are looked at from the
+        slowest down, each one's "median of the others" read off the sorted values around its
+        own place, until the first that is not slow: every rank faster than it has a value no
+        higher and others no faster (a job of 10,000 nodes is checked in milliseconds)."""
         if len(times) < 2:
             return []
-        found = []
+        found: list[Straggler] = []
         for metric in ("busy", "wall"):
-            values = {r: getattr(t, f"{metric}_s") for r, t in times.items()}
-            if any(v is None for v in values.values()):
+            of = operator.attrgetter(f"{metric}_s")
+            ordered = [(of(t), r) for r, t in times.items()]
+            if any(v is None for v, _ in ordered):
                 continue
-            ordered = sorted(values.items(), key=lambda rv: rv[1])
-            sorted_values = [v for _, v in ordered]
-            for place, (rank, value) in enumerate(ordered):
-                t = times[rank]
-                if (t.node, t.local_rank) in self.flagged:
-                    continue
+            ordered.sort()
+            sorted_values = [v for v, _ in ordered]
+            slow = []
+            for place in range(len(ordered) - 1, -1, -1):
+                value, rank = ordered[place]
                 others = median_without(sorted_values, place)
-                if others > 0 and value > self.factor * others:
+                if others > 0 and value <= self.factor * others:
+                    break  # this one is not slow, nor is any faster one
+                t = times[rank]
+                if others > 0 and (t.node, t.local_rank) not in self.flagged:
                     self.flagged.add((t.node, t.local_rank))
-                    found.append(Straggler(rank, t.node, t.local_rank, metric, value, others))
+                    slow.append(Straggler(rank, t.node, t.local_rank, metric, value, others))
+            found.extend(reversed(slow))
         return found
 
 
