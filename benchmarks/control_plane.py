@@ -19,7 +19,11 @@ Figures, for each N:
 - ``round_s``: from the last agent's join to the last agent's ``ready`` (the round complete);
 - ``restart_round_s``: from the failure report to every agent ``ready`` in the next round;
 - ``action_all_ms`` (``action_p50_ms``): from the master's decision to restart to the last
-  agent (the median one) holding the pushed action; ``master_push_ms``: from the decision to
+  agent (the median one) holding the pushed action in its code; ``action_read_all_ms``
+  (``action_read_p50_ms``): to the last (the median) agent's connection reading its frame,
+  which is when an agent of its own host would have it (here the 10,000 agents share one
+  process, and each one's code runs after the frames of all the others were read);
+  ``master_push_ms``: from the decision to
   the last reply written (the master's ``planaria_channel_last_push_seconds``); and their
   floor on this machine (``push_floor_write_ms``, ``push_floor_all_ms``): a message of the same
   size written to N loopback connections by plain asyncio transports, read by another process;
@@ -116,7 +120,8 @@ class _Frames(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.buffer = b""
         self.upgraded: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.waiting: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
+        self.waiting: dict[int, asyncio.Future[tuple[int, bytes, float]]] = {}
+        """Requests waiting for their reply: status, body, and when its frame was read."""
         self.refused: str | None = None
         """What the master said when it refused a message that had no ``seq`` to answer."""
 
@@ -136,6 +141,7 @@ class _Frames(asyncio.Protocol):
                 return
             self.upgraded.set_result(None)
         buffer = self.buffer
+        read_at = time.time()
         while len(buffer) >= 2:
             opcode, size, at = buffer[0] & 0x0F, buffer[1] & 0x7F, 2
             if size == 126:
@@ -157,7 +163,7 @@ class _Frames(asyncio.Protocol):
                 body = payload[payload.index(b'"body":', status_at) + 7 : -1]
                 waiter = self.waiting.pop(seq, None)
                 if waiter is not None and not waiter.done():
-                    waiter.set_result((status, body))
+                    waiter.set_result((status, body, read_at))
         self.buffer = buffer
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -198,6 +204,12 @@ class Connection:
         return status, json.loads(raw) if raw else {}
 
     async def send(self, path: str, data: bytes) -> tuple[int, bytes]:
+        status, raw, _ = await self.send_read(path, data)
+        return status, raw
+
+    async def send_read(self, path: str, data: bytes) -> tuple[int, bytes, float]:
+        """Send a request; its reply's status and body, and when its frame was read (the
+        wall clock)."""
         self.seq += 1
         seq = self.seq
         for attempt in range(50):
@@ -262,7 +274,10 @@ class Agent:
     joined_at: dict[int, float] = field(default_factory=dict)
     """Round -> when this agent first asked to join after the previous one ended."""
     action_at: dict[int, float] = field(default_factory=dict)
-    """Round -> when the master's action (restart, exit) that ended it reached this agent."""
+    """Round -> when the master's action (restart, exit) that ended it reached this agent's
+    code."""
+    action_read_at: dict[int, float] = field(default_factory=dict)
+    """Round -> when that action's frame was read off this agent's connection."""
     silent: bool = False
     timed_at: int = field(default_factory=lambda: random.randrange(TIMED))
     """Which of every :data:`TIMED` beats this agent times: a tenth of the agents each second."""
@@ -310,7 +325,7 @@ class Agent:
         """Heartbeats with progress, one per interval (the first at a random time within it,
         as agents do), until the master pushes an action."""
         ask = b'{"node_id":"%s","round":%d}' % (self.node_id.encode(), self.round)
-        pushed = asyncio.ensure_future(self.conn.send("/actions", ask))
+        pushed = asyncio.ensure_future(self.conn.send_read("/actions", ask))
         try:
             await asyncio.wait({pushed}, timeout=random.random() * HOLD)
             while not self.silent and not pushed.done():
@@ -332,7 +347,7 @@ class Agent:
                 await asyncio.wait({pushed}, timeout=max(0.0, HOLD - took))
             if self.silent:
                 return "silent"
-            status, raw = pushed.result()
+            status, raw, read_at = pushed.result()
             if status == 410:
                 return "fenced"
             if status != 200:
@@ -341,6 +356,7 @@ class Agent:
             if kind == "none":  # woken for news of another kind: ask again
                 return await self.beat()
             self.action_at[self.round] = time.time()
+            self.action_read_at[self.round] = read_at
             return kind
         finally:
             pushed.cancel()
@@ -578,10 +594,12 @@ async def measure(n: int, beat_window: float, root: Path) -> dict[str, float | i
         restart_round_s = max(a.ready_at[2] for a in agents) - failed_at
         decided_at = min(float(e["time"]) for e in master.events("workers_restarted"))
         pushed = sorted(a.action_at[1] - decided_at for a in agents)
+        read = sorted(a.action_read_at[1] - decided_at for a in agents)
         say(
             n,
             f"restart round: {restart_round_s:.3f}s; the restart reached every agent "
-            f"{pushed[-1] * 1000:.0f} ms after the decision (p50 {pct(pushed, 0.5) * 1000:.0f}); "
+            f"{pushed[-1] * 1000:.0f} ms after the decision (p50 {pct(pushed, 0.5) * 1000:.0f}; "
+            f"read off the last agent's connection at {read[-1] * 1000:.0f}); "
             f"the master wrote it to every socket in {master_push_ms:.0f} ms",
         )
 
@@ -617,6 +635,8 @@ async def measure(n: int, beat_window: float, root: Path) -> dict[str, float | i
             "restart_round_s": round(restart_round_s, 3),
             "action_all_ms": round(pushed[-1] * 1000, 1),
             "action_p50_ms": round(pct(pushed, 0.5) * 1000, 1),
+            "action_read_all_ms": round(read[-1] * 1000, 1),
+            "action_read_p50_ms": round(pct(read, 0.5) * 1000, 1),
             "master_push_ms": round(master_push_ms, 1),
             "replace_s": round(done_at - lost_at, 3),
             "replace_total_s": round(done_at - silent_at, 3),
@@ -781,6 +801,7 @@ def main() -> None:
                     "round_s",
                     "restart_round_s",
                     "action_all_ms",
+                    "action_read_all_ms",
                     "master_push_ms",
                     "push_floor_write_ms",
                     "push_floor_all_ms",

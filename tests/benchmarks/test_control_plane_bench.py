@@ -39,6 +39,7 @@ def test_the_control_plane_benchmark_goes_through_every_phase(tmp_path):
         "round_s",
         "restart_round_s",
         "action_all_ms",
+        "action_read_all_ms",
         "master_push_ms",
         "push_floor_write_ms",
         "push_floor_all_ms",
@@ -53,6 +54,8 @@ def test_the_control_plane_benchmark_goes_through_every_phase(tmp_path):
         assert row["round_s"] >= 0 and row["restart_round_s"] > 0
         # The restart was pushed: it reached every agent, after the master decided it.
         assert 0 < row["action_p50_ms"] <= row["action_all_ms"] < row["restart_round_s"] * 1000
+        # Its frame was read off each agent's connection before that agent's code had it.
+        assert 0 < row["action_read_p50_ms"] <= row["action_read_all_ms"] <= row["action_all_ms"]
         # The master's own side of a push burst, from its metrics (a few ms at this size).
         assert 0 <= row["master_push_ms"] < row["restart_round_s"] * 1000
         # Its floor, measured in the same run: N plain messages written and read.
