@@ -71,6 +71,8 @@ SAID_ELSEWHERE = (REATTACH, FENCED)
 same status (re-attach first; fenced)."""
 _CLOSED = (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED)
 """What ``receive()`` gives once the channel is closing or closed."""
+_NOT_OPEN: Any = object()
+"""What :attr:`Channels.open` gives for a channel that is not open (any more)."""
 SEND_CHUNK = 256
 """Replies sent in a row before the loop gets a turn (about 10 ms of writes here)."""
 SEND_AT_ONCE = 1 << 15
@@ -337,11 +339,17 @@ class Channels:
                     ws, asked = queue.popleft()
                     reply = asked.reply
                     assert reply is not None
-                    transport = self.open.get(ws)
+                    transport = self.open.get(ws, _NOT_OPEN)
+                    if transport is _NOT_OPEN or ws.closed:
+                        continue  # kept: the agent asks again on its next connection
                     if transport is not None and transport.get_write_buffer_size() > SEND_AT_ONCE:
                         self._tasks.start(self._send(ws, asked.seq, reply))  # holds up no one else
-                    else:
-                        await self._send(ws, asked.seq, reply)
+                        continue
+                    # What _send does, written out (no coroutine of its own): this loop is the
+                    # push, 10,000 replies at a restart. A connection that went meanwhile
+                    # keeps its reply for the next one.
+                    with contextlib.suppress(ConnectionError):
+                        await ws.send_str(_addressed(asked.seq, reply))
                 if queue:
                     await asyncio.sleep(0)
                 elif self._burst is not None and not self._outbox:
