@@ -251,6 +251,7 @@ def test_a_notice_is_taken_without_a_reply_and_refused_with_one(tmp_path):
         assert reply["status"] == 404 and "send it with a seq" in reply["body"]["error"]
         await notice("/heartbeat", {**beat, "node_id": "ghost"})
         assert (await _reply(ws0))["status"] == 404
+        assert master.channel.notices_refused == 3
         # Nothing came back for the good one: the next message is this request's reply.
         await _ask(ws0, 3, "/heartbeat", beat)
         reply = await _reply(ws0)

@@ -273,7 +273,12 @@ class Channels:
         return True
 
     async def _tell(self, ws: web.WebSocketResponse, op: str, reply: str) -> None:
-        log.warning("a notice refused", op=op, reply=reply[:200])
+        # An agent that keeps sending a bad heartbeat would log a line a second, 10,000 agents
+        # of a bad build 10,000: the first is logged, then one in a thousand, with the count.
+        self.stats.notices_refused += 1
+        refused = self.stats.notices_refused
+        if refused == 1 or refused % 1000 == 0:
+            log.warning("a notice refused", op=op, reply=reply[:200], refused=refused)
         await self._send(ws, None, f'"op":{json.dumps(op)},{reply}')
 
     def _call(self, op: str, body: Any, raw: str) -> str | tuple[Deferred[BaseModel], Route] | Any:

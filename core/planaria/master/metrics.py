@@ -285,6 +285,9 @@ class StateNow:
         yield _gauge("planaria_channels_open", "Agents' channels open now", m.channel.open)
         if (push := m.channel.last_push_s) is not None:
             yield _gauge("planaria_channel_last_push_seconds", "The last push burst", push)
+        yield CounterMetricFamily("planaria_channel_notices_refused",
+                                  "Agents' notices refused (a bad heartbeat, an unknown node)",
+                                  value=m.channel.notices_refused)  # fmt: skip
         yield _gauge("planaria_max_restarts", "The restart budget (job.max_restarts)",
                      m.spec.max_restarts)  # fmt: skip
         yield from self._nodes()

@@ -279,6 +279,8 @@ class ChannelStats:
     node, a round closed): from the first one made to the last one written to its socket."""
     last_push_replies: int = 0
     """How many replies that burst wrote."""
+    notices_refused: int = 0
+    """Notices refused (a bad heartbeat, an unknown node), each told to its agent."""
 
 
 @dataclass(frozen=True)
