@@ -214,6 +214,9 @@ def test_bad_messages_are_refused_saying_what_is_wrong(tmp_path):
             async with session.get(f"{url}/channel{query}", headers=headers) as r:
                 assert r.status == status, await r.text()
                 assert said in (await r.json())["error"]
+        async with session.post(f"{url}/channel?client=a", headers=AUTH) as r:
+            assert r.status == 405 and r.headers["Allow"] == "GET,HEAD", await r.text()
+            assert "POST /v1/channel" in (await r.json())["error"]
 
     asyncio.run(with_master(tmp_path, body))
 

@@ -45,6 +45,12 @@ async def _now(response: web.StreamResponse) -> web.StreamResponse:
     return response
 
 
+def _opens_a_channel(request: web.Request) -> bool:
+    """Served by the channel's handler itself (another method on its path is aiohttp's 405,
+    which the middleware answers as the API's)."""
+    return request.method == "GET" and request.path == channel.PATH
+
+
 def _handler(route: Route, context: Context) -> Handler:
     async def handle(request: web.Request) -> web.StreamResponse:
         body = None if route.request is None else await read_body(request, route.request)
@@ -98,7 +104,7 @@ def make_app(
         guard = request.app[BOOK].guards.get(request.transport)  # type: ignore[arg-type]
         if guard is not None:
             guard.handler_entered()
-        if request.path == channel.PATH:
+        if _opens_a_channel(request):
             # A channel lives as long as its agent, and sends each reply after its journal
             # write: no frame of a middleware stands beside it (memory, at 10,000 agents).
             return handler(request)
@@ -130,7 +136,7 @@ def make_app(
                         headers=_CHALLENGE,
                     )
                 )
-        if request.path == channel.PATH:
+        if _opens_a_channel(request):
             return handler(request)  # refuses as below itself, with no frame of this one
         return guarded(request, handler)
 
