@@ -23,10 +23,10 @@ Figures, for each N:
   (``action_read_p50_ms``): to the last (the median) agent's connection reading its frame,
   which is when an agent of its own host would have it (here the 10,000 agents share one
   process, and each one's code runs after the frames of all the others were read);
-  ``master_push_ms``: from the decision to
-  the last reply written (the master's ``planaria_channel_last_push_seconds``); and their
-  floor on this machine (``push_floor_write_ms``, ``push_floor_all_ms``): a message of the same
-  size written to N loopback connections by plain asyncio transports, read by another process;
+  ``master_push_ms``: from the decision to the last reply written (the master's
+  ``planaria_channel_last_push_seconds``); and their floor on this machine
+  (``push_floor_write_ms``, ``push_floor_all_ms``): a message of the same size written to N
+  loopback connections by plain asyncio transports, read by another process;
 - ``replace_s``: from the master's ``node_lost`` event to every agent ``ready`` in the round
   with the replacement (``replace_total_s`` adds the heartbeat timeout before it);
 - heartbeats: sent per second over a steady window, and the latency of the timed ones
