@@ -30,6 +30,10 @@ error's JSON).
 
 A message that is not of this form gets an error reply (``re`` null when its ``seq`` cannot be
 read) and closes the channel with code 1008; the rest of the API is unaffected.
+
+Why one module: a reply's journal write, its keeping by ``seq`` until the agent has it, and its
+place in the outbox are one protocol whose rules lean on each other (a reply sent again is the
+one kept; a reply kept is on disk); split, they would be read apart.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ Counters count from this master's start: a master resumed with ``planaria run --
 starts them from zero again, which Prometheus' ``rate()`` and ``increase()`` read as a reset.
 ``planaria_tokens_total`` is the job's count: a resumed master counts on from the timeline.
 ``docs/metrics.md`` lists every metric.
+
+Why one module: both sources feed one registry, one scrape and the one list of metrics
+(``docs/metrics.md``); split, a metric's name and what it counts would live apart.
 """
 
 from __future__ import annotations
