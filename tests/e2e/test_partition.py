@@ -288,7 +288,9 @@ def test_a_cut_longer_than_the_timeout_replaces_the_node_which_stops_once_healed
     wait_for("the old node's processes to end", lambda: not run.net.pids("n1"), bound, run)
     stopped_after = time.monotonic() - healed_at
     # It was stopped by the master's word: fenced, as a node declared lost.
-    (fenced,) = run.events("node_fenced")
+    fenced_events = run.events("node_fenced")
+    assert len(fenced_events) == 1, f"the old node was not fenced once\n{run.story()}"
+    (fenced,) = fenced_events
     assert fenced["node"] == "node-1"
     assert run.proc.poll() is None, "the job ended before the old node heard from it"
     # Rank 0, held at step 30, goes on.
