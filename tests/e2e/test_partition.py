@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -287,17 +288,19 @@ def test_a_cut_longer_than_the_timeout_replaces_the_node_which_stops_once_healed
     bound = cut_for + 15
     wait_for("the old node's processes to end", lambda: not run.net.pids("n1"), bound, run)
     stopped_after = time.monotonic() - healed_at
-    # It was stopped by the master's word: fenced, as a node declared lost.
-    fenced_events = run.events("node_fenced")
-    assert len(fenced_events) == 1, f"the old node was not fenced once\n{run.story()}"
-    (fenced,) = fenced_events
-    assert fenced["node"] == "node-1"
+    # It was stopped by the master's word (its agent exits 0 then, below). Either a request of
+    # it reached the master again and was fenced; or, after a cut longer than its pings (a
+    # busy machine), its standing /actions, sent again on a new connection, got the reply the
+    # master kept for it since it declared the node lost: exit.
+    fenced = run.events("node_fenced")
+    assert [e["node"] for e in fenced] in ([], ["node-1"]), run.story()
     assert run.proc.poll() is None, "the job ended before the old node heard from it"
     # Rank 0, held at step 30, goes on.
     (held,) = wait_for("rank 0 to stop at step 30", lambda: stopped(run.net.pids()), 90, run)
     os.kill(held, signal.SIGCONT)
 
     assert run.finish() == 0, run.tail()
+    assert re.search(r"node stopped .* node=node-1 returncode=0", run.tail(100_000)), run.tail()
     assert len(run.events("workers_restarted")) == 1
     rounds = run.events("rendezvous_completed")
     assert rounds[-1]["data"]["restore"] == "storage"  # the replacement held nothing in memory
