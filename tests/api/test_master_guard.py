@@ -326,3 +326,30 @@ def test_bodies_are_read_as_their_schema_says_and_nothing_looser(tmp_path):
                 assert (await r.json())["problems"][0].startswith("<body>:")
 
     asyncio.run(with_guarded_master(tmp_path, run, ServerLimits()))
+
+
+def test_a_channel_refused_before_its_upgrade_leaves_its_connection_timed(tmp_path):
+    """A GET of the channel answered without an upgrade (no token, no client id, not a
+    WebSocket) leaves its keep-alive connection under the header time limit, as any answered
+    request does: a header that never ends on it is cut off."""
+
+    async def body(master, session, port):
+        limit = 1.0
+        auth = f"Authorization: Bearer {TOKEN}\r\n"
+        for query, headers, status in (
+            ("?client=a", "", b"401"),
+            ("", auth, b"400"),
+            ("?client=a", auth, b"400"),
+        ):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            request = f"GET {API_PREFIX}/channel{query} HTTP/1.1\r\nHost: x\r\n{headers}\r\n"
+            writer.write(request.encode())
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert head.split()[1] == status, head
+            size = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            await asyncio.wait_for(reader.readexactly(size), 5)
+            writer.write(f"GET {API_PREFIX}/status HTTP/1.1\r\nHost".encode())  # never ends
+            assert await closed_within(reader, 3 * limit), f"held after {status.decode()}"
+            writer.close()
+
+    asyncio.run(with_guarded_master(tmp_path, body, ServerLimits(request_timeout=1.0)))

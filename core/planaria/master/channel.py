@@ -54,7 +54,7 @@ from pydantic import BaseModel
 from planaria.background import Running
 from planaria.log import get_logger
 from planaria.master.body import validate
-from planaria.master.guard import LIMITS
+from planaria.master.guard import LIMITS, handler_left
 from planaria.master.responses import BadRequest, error, refusal, refused
 from planaria.master.routes import FENCED, REATTACH, Context, Route
 from planaria.master.state import Deferred
@@ -160,6 +160,7 @@ class Channels:
         its refusals before the upgrade are answered here as the API's)."""
         client_id = request.query.get("client", "")
         if not CLIENT.fullmatch(client_id):
+            handler_left(request)  # the connection may carry another request: timed again
             return error(400, f"GET {PATH} needs ?client=ID (1 to 64 of A-Z a-z 0-9 _ . -)")
         ws = web.WebSocketResponse(
             max_msg_size=request.app[LIMITS].max_request_bytes, compress=False
@@ -167,6 +168,7 @@ class Channels:
         try:
             await ws.prepare(request)
         except Exception as exc:  # not an upgrade to a WebSocket
+            handler_left(request)
             return refused(request, exc)
         client = self.client(client_id)
         transport = request.transport

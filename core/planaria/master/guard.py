@@ -142,6 +142,14 @@ LIMITS: web.AppKey[ServerLimits] = web.AppKey("limits", ServerLimits)
 BOOK: web.AppKey[Connections] = web.AppKey("connections", Connections)
 
 
+def handler_left(request: web.Request) -> None:
+    """``request`` is answered without its handler's frame around it to say so (a channel
+    refused before its upgrade): its connection's next request header is timed again."""
+    guard = request.app[BOOK].guards.get(request.transport)  # type: ignore[arg-type]
+    if guard is not None:
+        guard.handler_left()
+
+
 class Listener:
     """The server's listening socket, whose connections go through :class:`Guard`, in front of
     an aiohttp runner (set up): what ``aiohttp.web.TCPSite`` does, with the guard."""

@@ -25,7 +25,15 @@ from pydantic import RootModel
 
 from planaria.master import channel
 from planaria.master.body import read_body
-from planaria.master.guard import BOOK, LIMITS, Connections, Guard, Listener, ServerLimits
+from planaria.master.guard import (
+    BOOK,
+    LIMITS,
+    Connections,
+    Guard,
+    Listener,
+    ServerLimits,
+    handler_left,
+)
 from planaria.master.job import Master
 from planaria.master.metrics import JobMetrics
 from planaria.master.responses import BadRequest, error, json_response, refused
@@ -129,6 +137,8 @@ def make_app(
             # back as they came, so that any header is a plain mismatch (401), never an error.
             given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, expected):
+                if _opens_a_channel(request):
+                    handler_left(request)  # timed() has no frame to say it
                 return _now(
                     error(
                         401,
