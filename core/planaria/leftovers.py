@@ -27,6 +27,7 @@ planaria); Linux only (``/proc``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
 import signal
@@ -34,7 +35,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from planaria.process import proc_stat
+from planaria.process import proc_stat, running
 
 VARIABLE = "PLANARIA_TRACE"
 """The environment variable holding the markers, comma-separated."""
@@ -167,26 +168,31 @@ def survivors(markers: str | Iterable[str], *, exclude: Collection[int] = ()) ->
     return sorted(found, key=lambda s: s.pid)
 
 
-def _kill(pid: int, wanted: frozenset[bytes]) -> None:
+def _kill(pid: int, wanted: frozenset[bytes]) -> bool:
     """SIGCONT and SIGKILL ``pid`` if it still carries a marker: through a pidfd opened before
-    looking again, so that a pid reused meanwhile by another process is never signalled."""
+    looking again, so that a pid reused meanwhile by another process is never signalled.
+    Whether it was signalled."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
-        return
+        return False
     except (AttributeError, OSError):  # no pidfd here: the small race of a plain kill
-        if _carries(pid, wanted):
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                with contextlib.suppress(OSError):
-                    os.kill(pid, sig)
-        return
+        return _signal_if_carrying(pid, wanted, functools.partial(os.kill, pid))
     try:
-        if _carries(pid, wanted):
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                with contextlib.suppress(OSError):
-                    signal.pidfd_send_signal(fd, sig)
+        return _signal_if_carrying(pid, wanted, functools.partial(signal.pidfd_send_signal, fd))
     finally:
         os.close(fd)
+
+
+def _signal_if_carrying(
+    pid: int, wanted: frozenset[bytes], send: Callable[[signal.Signals], object]
+) -> bool:
+    if not _carries(pid, wanted):
+        return False
+    for sig in (signal.SIGCONT, signal.SIGKILL):
+        with contextlib.suppress(OSError):
+            send(sig)
+    return True
 
 
 def kill_survivors(
@@ -203,7 +209,9 @@ def kill_survivors(
     launcher reaping its workers) may take before they count. Then SIGCONT and SIGKILL, again
     until none is found (a dying parent can still fork, and its child is caught by the next
     look), at most ``kill_wait`` seconds; one stuck in the kernel past that is returned too
-    (:func:`survivors` tells whether it is still there). Costs one scan when nothing is found."""
+    (:func:`survivors` tells whether it is still there). Returns once those it killed have
+    exited: a process on its way out no longer shows its environment, but it may still run
+    (closing its files) for a while on a busy machine. Costs one scan when nothing is found."""
     wanted = _wanted(markers)
     found = survivors(markers, exclude=exclude)
     deadline = time.monotonic() + grace
@@ -211,13 +219,15 @@ def kill_survivors(
         time.sleep(_POLL)
         found = survivors(markers, exclude=exclude)
     seen = {s.pid: s for s in found}
+    killed: set[int] = set()
     deadline = time.monotonic() + kill_wait
     while found and time.monotonic() < deadline:
-        for survivor in found:
-            _kill(survivor.pid, wanted)
+        killed.update(s.pid for s in found if _kill(s.pid, wanted))
         time.sleep(_POLL / 10)
         found = survivors(markers, exclude=exclude)
         seen.update((s.pid, s) for s in found if s.pid not in seen)
+    while (killed := {pid for pid in killed if running(pid)}) and time.monotonic() < deadline:
+        time.sleep(_POLL / 10)
     return sorted(seen.values(), key=lambda s: s.pid)
 
 
