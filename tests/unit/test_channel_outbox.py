@@ -1,6 +1,6 @@
 """The channel's outbox (:class:`planaria.master.channel.Channels`): a long burst of pushed
 replies does not hold up a reply made while it is sent, and every reply goes out once, after
-the journal write of what it answered."""
+the journal write of what it answered; one that tells of nothing decided goes at once."""
 
 from __future__ import annotations
 
@@ -8,8 +8,13 @@ import asyncio
 import json
 from types import SimpleNamespace
 
+from aiohttp import WSMessage, WSMsgType
+from pydantic import BaseModel, ConfigDict
+
 from planaria.master.channel import SEND_CHUNK, Channels, _Asked
+from planaria.master.routes import Route
 from planaria.master.state import ChannelStats
+from planaria.protocol import API_PREFIX
 
 BURST = 3 * SEND_CHUNK + 17
 REPLY = '"status":200,"body":{}}'
@@ -75,5 +80,62 @@ def test_a_reply_made_during_a_burst_goes_out_before_the_rest_of_it() -> None:
         commits = dict(ws.sent)
         assert commits[-1] > commits_when_made[-1]
         assert all(commits[s] >= 1 for s in range(BURST))
+
+    asyncio.run(main())
+
+
+class _Beat(BaseModel):
+    due: bool
+
+
+class _Reply(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    action: str
+
+
+def _answer(_: object, beat: _Beat) -> _Reply:
+    return _Reply(action="restart" if beat.due else "none")
+
+
+BEAT = Route(
+    "POST",
+    f"{API_PREFIX}/beat",
+    _Beat,
+    _Reply,
+    "a heartbeat",
+    _answer,
+    channel=True,
+    idle=lambda reply: reply.action == "none",
+)
+
+
+def test_a_reply_that_tells_of_nothing_decided_goes_at_once_and_is_kept() -> None:
+    """ "Nothing due" is sent by the message's own turn, with no journal write awaited; a
+    reply with an action waits for the write. Both are kept for a request sent again."""
+
+    async def main() -> None:
+        master = _Master()
+        channels = Channels([BEAT], SimpleNamespace(master=master))  # type: ignore[arg-type]
+        ws, again = _Socket(master), _Socket(master)
+        channels.open[ws] = channels.open[again] = None  # type: ignore[index]
+        client = channels.client("agent")
+
+        def message(seq: int, due: bool) -> WSMessage:
+            text = json.dumps({"seq": seq, "op": "/beat", "body": {"due": due}, "open": [seq]})
+            return WSMessage(WSMsgType.TEXT, text, None)
+
+        assert await channels._take(ws, client, message(1, due=False))  # type: ignore[arg-type]
+        assert ws.sent == [(1, 0)], "sent within its own turn, before any journal write"
+        assert await channels._take(ws, client, message(2, due=True))  # type: ignore[arg-type]
+        assert ws.sent == [(1, 0)], "an action waits for the journal"
+        while channels._flushing is not None:
+            await asyncio.sleep(0)
+        assert ws.sent == [(1, 0), (2, 1)]
+        # Sent again on a new connection (the first dropped): the kept reply, not a new call.
+        assert await channels._take(again, client, message(1, due=False))  # type: ignore[arg-type]
+        while channels._flushing is not None:
+            await asyncio.sleep(0)
+        assert [seq for seq, _ in again.sent] == [1]
+        assert client.asked[1].reply is not None and '"none"' in client.asked[1].reply
 
     asyncio.run(main())

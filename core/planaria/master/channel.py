@@ -14,7 +14,9 @@ error's JSON).
   master decides it, a join when its round closes. No request is held by a timer; the agent's
   heartbeats carry only its progress.
 - **After the journal.** A reply is sent once what its request changed is in the journal (the
-  replies of one turn of the loop share one write), as over HTTP.
+  replies of one turn of the loop share one write), as over HTTP; but a reply that tells of
+  nothing decided (a heartbeat's "nothing due", :attr:`~planaria.master.routes.Route.idle`)
+  goes at once, as the agent acts on nothing in it.
 - **Idempotent by sequence number.** ``seq`` counts up per client (``?client=ID`` in the URL,
   one per agent process). The master keeps each request's reply until the agent says it has it:
   ``open`` lists the requests whose replies the agent still waits for (this one included), and
@@ -107,6 +109,15 @@ class _Asked:
         channels, deferred, route = self.channels, self.deferred, self.route
         self.channels = self.deferred = self.route = None
         channels._answered(self, deferred, route)
+
+
+class _Idle:
+    """A reply that tells of nothing decided, sent at once (see ``After the journal``)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
 
 
 class _Client:
@@ -249,6 +260,10 @@ class Channels:
             asked.waiting.append(ws)
             self._tasks.start(self._later(asked, reply))
             return True
+        if isinstance(reply, _Idle):  # nothing decided: no journal write to wait for
+            asked.reply = reply.text
+            await self._send(ws, seq, reply.text)
+            return True
         asked.reply = reply
         asked.waiting.append(ws)
         self._post(asked)
@@ -287,9 +302,12 @@ class Channels:
             log.warning("a notice refused", op=op, reply=reply[:200], refused=refused)
         await self._send(ws, None, f'"op":{json.dumps(op)},{reply}')
 
-    def _call(self, op: str, body: Any, raw: str) -> str | tuple[Deferred[BaseModel], Route] | Any:
-        """The reply to ``op`` with ``body`` as the message to send (``re`` left to fill), or
-        an awaitable of it, or the route's deferred answer (and the route)."""
+    def _call(
+        self, op: str, body: Any, raw: str
+    ) -> str | _Idle | tuple[Deferred[BaseModel], Route] | Any:
+        """The reply to ``op`` with ``body`` as the message to send (``re`` left to fill;
+        :class:`_Idle` when it tells of nothing decided), or an awaitable of it, or the route's
+        deferred answer (and the route)."""
         route = self.ops.get(op)
         if route is None:
             return _reply(404, ApiError(error=f"the channel serves no {op!r}"))
@@ -302,7 +320,8 @@ class Channels:
             return answer, route
         if inspect.isawaitable(answer):
             return _awaited(answer, route)
-        return _checked(answer, route)
+        text = _checked(answer, route)
+        return _Idle(text) if route.idle is not None and route.idle(answer) else text
 
     def _answered(self, asked: _Asked, deferred: Deferred[BaseModel], route: Route) -> None:
         if asked.given_up:

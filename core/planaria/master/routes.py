@@ -94,6 +94,10 @@ class Route:
     notice: bool = False
     """Also taken on the channel as a notice, which wants no reply (a heartbeat: the next one
     says it again). Its call answers at once."""
+    idle: Callable[[Any], bool] | None = None
+    """Whether a reply of the route tells of nothing decided (a heartbeat's "nothing due"):
+    on the channel such a reply is sent at once, not after the journal's next write, since the
+    agent acts on nothing in it (what the request changed is written as a notice's is)."""
 
     @property
     def operation_id(self) -> str:
@@ -106,6 +110,10 @@ def _heartbeat(c: Context, beat: Heartbeat) -> HeartbeatReply | Deferred[Heartbe
     if isinstance(action, Deferred):
         return action.map(beat_reply)
     return beat_reply(action)
+
+
+def _nothing_due(reply: HeartbeatReply) -> bool:
+    return reply.action.kind == "none"
 
 
 def _bind(c: Context, body: BindRequest) -> BindReply:
@@ -181,6 +189,7 @@ ROUTES: tuple[Route, ...] = (
         errors=NODE,
         channel=True,
         notice=True,
+        idle=_nothing_due,
     ),
     Route(
         "POST",

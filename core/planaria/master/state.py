@@ -230,6 +230,9 @@ class Node:
     """Told (old, new) when the node's phase changes: the fleet counts its nodes by phase."""
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name not in _JOURNALLED:  # the traffic (last_seen, step): at every heartbeat
+            object.__setattr__(self, name, value)
+            return
         if name == "phase":
             old = self.__dict__.get("phase")
             object.__setattr__(self, name, value)
@@ -238,7 +241,7 @@ class Node:
                 hook(old, value)
         else:
             object.__setattr__(self, name, value)
-        if name in _JOURNALLED and self.__dict__.get("on_change") is not None:
+        if self.__dict__.get("on_change") is not None:
             self.on_change(self.node_id)  # type: ignore[misc]
 
     def send(self, action: Action) -> None:
