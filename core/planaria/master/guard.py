@@ -142,10 +142,15 @@ LIMITS: web.AppKey[ServerLimits] = web.AppKey("limits", ServerLimits)
 BOOK: web.AppKey[Connections] = web.AppKey("connections", Connections)
 
 
+def guard_of(request: web.Request) -> Guard | None:
+    """The guard of ``request``'s connection (None once the connection is gone)."""
+    return request.app[BOOK].guards.get(request.transport)  # type: ignore[arg-type]
+
+
 def handler_left(request: web.Request) -> None:
     """``request`` is answered without its handler's frame around it to say so (a channel
     refused before its upgrade): its connection's next request header is timed again."""
-    guard = request.app[BOOK].guards.get(request.transport)  # type: ignore[arg-type]
+    guard = guard_of(request)
     if guard is not None:
         guard.handler_left()
 

@@ -32,6 +32,7 @@ from planaria.master.guard import (
     Guard,
     Listener,
     ServerLimits,
+    guard_of,
     handler_left,
 )
 from planaria.master.job import Master
@@ -109,7 +110,7 @@ def make_app(
     def timed(request: web.Request, handler: Handler) -> Awaitable[web.StreamResponse]:
         """Tell the connection's guard that its header is in: from here the body's own time
         limit applies, and a long poll may hold the request."""
-        guard = request.app[BOOK].guards.get(request.transport)  # type: ignore[arg-type]
+        guard = guard_of(request)
         if guard is not None:
             guard.handler_entered()
         if _opens_a_channel(request):
