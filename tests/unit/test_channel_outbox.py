@@ -93,7 +93,11 @@ class _Reply(BaseModel):
     action: str
 
 
+CALLS: list[bool] = []
+
+
 def _answer(_: object, beat: _Beat) -> _Reply:
+    CALLS.append(beat.due)
     return _Reply(action="restart" if beat.due else "none")
 
 
@@ -120,22 +124,26 @@ def test_a_reply_that_tells_of_nothing_decided_goes_at_once_and_is_kept() -> Non
         channels.open[ws] = channels.open[again] = None  # type: ignore[index]
         client = channels.client("agent")
 
-        def message(seq: int, due: bool) -> WSMessage:
-            text = json.dumps({"seq": seq, "op": "/beat", "body": {"due": due}, "open": [seq]})
+        def message(seq: int, due: bool, open_: list[int]) -> WSMessage:
+            text = json.dumps({"seq": seq, "op": "/beat", "body": {"due": due}, "open": open_})
             return WSMessage(WSMsgType.TEXT, text, None)
 
-        assert await channels._take(ws, client, message(1, due=False))  # type: ignore[arg-type]
+        CALLS.clear()
+        assert await channels._take(ws, client, message(1, False, [1]))  # type: ignore[arg-type]
         assert ws.sent == [(1, 0)], "sent within its own turn, before any journal write"
-        assert await channels._take(ws, client, message(2, due=True))  # type: ignore[arg-type]
+        # The agent has not had reply 1 (its connection is dropping): it still lists it.
+        assert await channels._take(ws, client, message(2, True, [1, 2]))  # type: ignore[arg-type]
         assert ws.sent == [(1, 0)], "an action waits for the journal"
         while channels._flushing is not None:
             await asyncio.sleep(0)
         assert ws.sent == [(1, 0), (2, 1)]
-        # Sent again on a new connection (the first dropped): the kept reply, not a new call.
-        assert await channels._take(again, client, message(1, due=False))  # type: ignore[arg-type]
+        # Both sent again on a new connection: the kept replies, not new calls.
+        for seq, due in ((1, False), (2, True)):
+            sent = message(seq, due, [1, 2])
+            assert await channels._take(again, client, sent)  # type: ignore[arg-type]
         while channels._flushing is not None:
             await asyncio.sleep(0)
-        assert [seq for seq, _ in again.sent] == [1]
-        assert client.asked[1].reply is not None and '"none"' in client.asked[1].reply
+        assert sorted(seq for seq, _ in again.sent) == [1, 2]
+        assert CALLS == [False, True], "each request served once"
 
     asyncio.run(main())
