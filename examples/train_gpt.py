@@ -204,6 +204,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--no-ckpt", action="store_true", help="no checkpoint at all (to measure its cost)"
     )
+    p.add_argument(
+        "--pace",
+        type=float,
+        default=0.0,
+        help="sleep this many seconds after each step, as a larger model's step would take "
+        "(tests give background copies time on a busy machine)",
+    )
     p.add_argument("--out", type=Path, default=None, help="save the final model state_dict here")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: cuda:LOCAL_RANK")
     p.add_argument(
@@ -357,6 +364,8 @@ def train(
             ckpt.save(step, state, persist, loss=logged, tokens=step_tokens)
         else:
             monitor.step(step, loss=logged, tokens=step_tokens)
+        if args.pace > 0:
+            time.sleep(args.pace)
 
     if ckpt is not None:
         ckpt.wait()  # the last persisted step is committed before the job reports success
