@@ -470,7 +470,8 @@ class MasterProcess:
 
 
 def metrics(host: str, port: int, token: str) -> dict[str, str]:
-    """The master's unlabelled metrics, by name (``GET /metrics``)."""
+    """The master's metrics (``GET /metrics``), by name with labels as written
+    (``name{op="/actions"}``)."""
     request = urllib.request.Request(
         f"http://{host}:{port}/metrics", headers={"Authorization": f"Bearer {token}"}
     )
@@ -478,8 +479,8 @@ def metrics(host: str, port: int, token: str) -> dict[str, str]:
         text = answer.read().decode()
     found = {}
     for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if line and not line.startswith("#") and "{" not in name:
+        name, _, value = line.rpartition(" ")
+        if line and not line.startswith("#"):
             found[name] = value
     return found
 
@@ -586,10 +587,11 @@ async def measure(n: int, beat_window: float, root: Path) -> dict[str, float | i
         if status != 200:
             raise Rejected(f"the failure report answered {status}: {reply}")
         await wait_for(lambda: all(1 in a.action_at for a in agents), 300, "the restart")
-        # The master's own side of the push, read as the restart reached the last agent: the
-        # burst from the first reply made to the last written (before the round can close).
+        # The master's own side of the push: the burst of /actions replies from the first made
+        # to the last written (the round's ready, a burst of join replies, is another series).
         scrape = await asyncio.to_thread(metrics, host, port, token)
-        master_push_ms = float(scrape.get("planaria_channel_last_push_seconds", "nan")) * 1000
+        push_s = scrape.get('planaria_channel_last_push_seconds{op="/actions"}', "nan")
+        master_push_ms = float(push_s) * 1000
         await wait_for(lambda: all(2 in a.ready_at for a in agents), 300, "the restart round")
         restart_round_s = max(a.ready_at[2] for a in agents) - failed_at
         decided_at = min(float(e["time"]) for e in master.events("workers_restarted"))

@@ -169,6 +169,9 @@ def test_the_counters_move_as_the_job_goes_through_a_worker_kill(faulty_run: Run
     assert before.get("planaria_nodes", state="running") == 2
     assert before.get("planaria_world_nodes") == 2
     assert before.get("planaria_round") == 1
+    # The round's ready went out as a burst of join replies; no action was pushed yet.
+    assert (before.get("planaria_channel_last_push_seconds", op="/rendezvous/join") or 0) > 0
+    assert before.get("planaria_channel_last_push_seconds", op="/actions") is None
     step_before = before.get("planaria_step")
     assert step_before is not None and 1 <= step_before < STEPS
 
@@ -198,6 +201,7 @@ def test_the_counters_move_as_the_job_goes_through_a_worker_kill(faulty_run: Run
     assert after.get("planaria_steps_lost_total") == lost
     assert after.get("planaria_round") == 2
     assert after.get("planaria_events_total", kind="workers_restarted") == 1
+    assert (after.get("planaria_channel_last_push_seconds", op="/actions") or 0) > 0, "the restart"
     last = max(s.get("planaria_step") or -1 for s in recovered)
     assert last > max(step_before, KILL_AT), "the step did not advance past the fault"
     assert after.get("planaria_node_replacements_total", outcome="replaced") == 0

@@ -1,6 +1,7 @@
-"""The channel's outbox (:class:`planaria.master.channel.Channels`): a long burst of pushed
-replies does not hold up a reply made while it is sent, and every reply goes out once, after
-the journal write of what it answered; one that tells of nothing decided goes at once."""
+"""The channel's outbox (:class:`planaria.master.channel.Channels`): a burst of pushed replies
+goes out in slices of writes, a reply made while it is sent going out after the slice it came
+in, and every reply goes out once, after the journal write of what it answered; one that tells
+of nothing decided goes at once."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ from types import SimpleNamespace
 from aiohttp import WSMessage, WSMsgType
 from pydantic import BaseModel, ConfigDict
 
-from planaria.master.channel import SEND_CHUNK, Channels, _Asked
+from planaria.master.channel import SEND_SLICE, Channels, _Asked
 from planaria.master.routes import Route
 from planaria.master.state import ChannelStats
 from planaria.protocol import API_PREFIX
 
-BURST = 3 * SEND_CHUNK + 17
+WRITE_S = 0.001
+"""What each write takes on the test's clock."""
+SLICE = round(SEND_SLICE / WRITE_S)
+"""Writes in one slice."""
+BURST = 3 * SLICE + 17
 REPLY = '"status":200,"body":{}}'
 
 
@@ -31,16 +36,20 @@ class _Master:
 
 
 class _Socket:
-    """An open channel that records what it was sent, and the journal writes done by then."""
+    """An open channel that records what it was sent, and the journal writes done by then.
+    Each write takes :data:`WRITE_S` of ``clock`` (the loop's time in the test), if given."""
 
     closed = False
 
-    def __init__(self, master: _Master) -> None:
+    def __init__(self, master: _Master, clock: list[float] | None = None) -> None:
         self.master = master
         self.sent: list[tuple[int, int]] = []
         self.on_send: dict[int, object] = {}
+        self.clock = clock
 
     async def send_str(self, text: str) -> None:
+        if self.clock is not None:
+            self.clock[0] += WRITE_S
         self.sent.append((json.loads(text)["re"], self.master.commits))
         hook = self.on_send.pop(len(self.sent), None)
         if hook is not None:
@@ -54,11 +63,23 @@ def _post(channels: Channels, ws: _Socket, seq: int) -> None:
     channels._post(asked)
 
 
-def test_a_reply_made_during_a_burst_goes_out_before_the_rest_of_it() -> None:
+async def _sent(channels: Channels) -> None:
+    """Return once the outbox is empty."""
+    while channels._flushing is not None:
+        await asyncio.sleep(0)
+
+
+def test_a_burst_goes_out_a_slice_at_a_time_and_a_reply_made_meanwhile_after_its_slice() -> None:
+    """The burst is written with no turn of the loop for a slice: the requests it brings wait
+    (they cannot close a round before it is out). A reply made meanwhile goes out after the
+    slice it came in, before the rest of the burst."""
+
     async def main() -> None:
+        clock = [0.0]
+        asyncio.get_running_loop().time = lambda: clock[0]  # type: ignore[method-assign]
         master = _Master()
         channels = Channels([], SimpleNamespace(master=master))  # type: ignore[arg-type]
-        ws = _Socket(master)
+        ws = _Socket(master, clock)
         channels.open[ws] = None  # type: ignore[index]
         commits_when_made: dict[int, int] = {}
 
@@ -69,12 +90,12 @@ def test_a_reply_made_during_a_burst_goes_out_before_the_rest_of_it() -> None:
         ws.on_send[10] = made_meanwhile
         for seq in range(BURST):
             _post(channels, ws, seq)
-        while channels._flushing is not None:
-            await asyncio.sleep(0)
+        await _sent(channels)
 
         order = [seq for seq, _ in ws.sent]
         assert sorted(order) == [-1, *range(BURST)], "every reply sent exactly once"
-        assert order.index(-1) <= SEND_CHUNK, f"it waited behind {order.index(-1)} replies"
+        # The slice is written whole (no turn), then the reply made in it.
+        assert abs(order.index(-1) - SLICE) <= 1, f"it went out after {order.index(-1)} replies"
         assert [s for s in order if s >= 0] == list(range(BURST)), "the burst kept its order"
         # Each reply after a journal write that followed its making.
         commits = dict(ws.sent)
@@ -134,15 +155,13 @@ def test_a_reply_that_tells_of_nothing_decided_goes_at_once_and_is_kept() -> Non
         # The agent has not had reply 1 (its connection is dropping): it still lists it.
         assert await channels._take(ws, client, message(2, True, [1, 2]))  # type: ignore[arg-type]
         assert ws.sent == [(1, 0)], "an action waits for the journal"
-        while channels._flushing is not None:
-            await asyncio.sleep(0)
+        await _sent(channels)
         assert ws.sent == [(1, 0), (2, 1)]
         # Both sent again on a new connection: the kept replies, not new calls.
         for seq, due in ((1, False), (2, True)):
             sent = message(seq, due, [1, 2])
             assert await channels._take(again, client, sent)  # type: ignore[arg-type]
-        while channels._flushing is not None:
-            await asyncio.sleep(0)
+        await _sent(channels)
         assert sorted(seq for seq, _ in again.sent) == [1, 2]
         assert CALLS == [False, True], "each request served once"
 

@@ -22,7 +22,7 @@ from planaria.background import Running
 from planaria.errors import SchedulerError
 from planaria.log import get_logger
 from planaria.master.journal import Journal
-from planaria.master.state import Node, NodePhase, RegistrationRefused
+from planaria.master.state import GONE, Node, NodePhase, RegistrationRefused
 from planaria.master.timeline import Timeline
 from planaria.protocol import Action, NodeStatus, RegisterRequest
 from planaria.scheduler.api import AdmitsNodes, LaunchSpec, NodeEvent, NodeHandle, Scheduler
@@ -161,7 +161,7 @@ class Fleet:
 
     def alive(self, but: str | None = None) -> int:
         """Nodes in the job (not gone), ``but`` one not counted."""
-        gone = sum(self._by_phase[p] for p in NodePhase if p.gone)
+        gone = sum(self._by_phase[p] for p in GONE)  # called per join: no walk of NodePhase
         node = self.nodes.get(but) if but is not None else None
         return len(self.nodes) - gone - (1 if node is not None and not node.phase.gone else 0)
 

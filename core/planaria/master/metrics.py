@@ -286,8 +286,13 @@ class StateNow:
         yield _gauge("planaria_round", "The rendezvous round forming, or running", m.round)
         yield _gauge("planaria_world_nodes", "Nodes in the running world", len(m.world))
         yield _gauge("planaria_channels_open", "Agents' channels open now", m.channel.open)
-        if (push := m.channel.last_push_s) is not None:
-            yield _gauge("planaria_channel_last_push_seconds", "The last push burst", push)
+        push = GaugeMetricFamily(
+            "planaria_channel_last_push_seconds", "The last push burst, by what it answered",
+            labels=["op"],
+        )  # fmt: skip
+        for op, seconds in m.channel.last_push_s.items():
+            push.add_metric([op], seconds)
+        yield push
         yield CounterMetricFamily("planaria_channel_notices_refused",
                                   "Agents' notices refused (a bad heartbeat, an unknown node)",
                                   value=m.channel.notices_refused)  # fmt: skip

@@ -190,7 +190,11 @@ class NodePhase(str, Enum):
 
     @property
     def gone(self) -> bool:
-        return self in (NodePhase.LOST, NodePhase.EXITED)
+        return self in GONE
+
+
+GONE = (NodePhase.LOST, NodePhase.EXITED)
+"""The phases of a node out of the job."""
 
 
 @dataclass
@@ -277,11 +281,10 @@ class ChannelStats:
 
     open: int = 0
     """Channels open now: agents connected."""
-    last_push_s: float | None = None
-    """The last burst of replies made after their request came (a restart decided for every
-    node, a round closed): from the first one made to the last one written to its socket."""
-    last_push_replies: int = 0
-    """How many replies that burst wrote."""
+    last_push_s: dict[str, float] = field(default_factory=dict)
+    """The last burst of replies made after their request came, by the op of its first reply
+    (``/actions``: a restart decided for every node; ``/rendezvous/join``: a round closed):
+    from the first one made to the last one written to its socket."""
     notices_refused: int = 0
     """Notices refused (a bad heartbeat, an unknown node), each told to its agent."""
 
