@@ -16,15 +16,18 @@ new round forms).
 
 Figures, for each N:
 
-- ``round_s``: from the last agent's join to the last agent's ``ready`` (the round complete);
-- ``restart_round_s``: from the failure report to every agent ``ready`` in the next round;
+- ``round_s``: from the last agent's join to the last agent's ``ready`` (the round complete)
+  in its code; ``round_read_s``: to the last ``ready`` read off its agent's connection (the
+  two differ by the queue of this one process of agents, as the action's figures below);
+- ``restart_round_s`` (``restart_round_read_s``): from the failure report to every agent
+  ``ready`` in the next round;
 - ``action_all_ms`` (``action_p50_ms``): from the master's decision to restart to the last
   agent (the median one) holding the pushed action in its code; ``action_read_all_ms``
   (``action_read_p50_ms``): to the last (the median) agent's connection reading its frame,
   which is when an agent of its own host would have it (here the 10,000 agents share one
   process, and each one's code runs after the frames of all the others were read);
-  ``master_push_ms``: from the decision to the last reply written (the master's
-  ``planaria_channel_last_push_seconds``); and their floor on this machine
+  ``master_push_ms``: from the first reply made to the last written (the master's
+  ``planaria_channel_last_push_seconds{op="/actions"}``); and their floor on this machine
   (``push_floor_write_ms``, ``push_floor_all_ms``): a message of the same size written to N
   loopback connections by plain asyncio transports, read by another process;
 - ``replace_s``: from the master's ``node_lost`` event to every agent ``ready`` in the round
@@ -270,7 +273,9 @@ class Agent:
     round: int = 0
     step: int = 0
     ready_at: dict[int, float] = field(default_factory=dict)
-    """Round -> when this agent was told ``ready`` in it."""
+    """Round -> when this agent was told ``ready`` in it (its code had the reply)."""
+    ready_read_at: dict[int, float] = field(default_factory=dict)
+    """Round -> when that reply's frame was read off this agent's connection."""
     joined_at: dict[int, float] = field(default_factory=dict)
     """Round -> when this agent first asked to join after the previous one ended."""
     action_at: dict[int, float] = field(default_factory=dict)
@@ -308,8 +313,10 @@ class Agent:
             "last_step": self.step,
         }
         self.joined_at.setdefault(self.round + 1, time.time())
+        data = json.dumps(body, separators=(",", ":")).encode()
         while True:
-            status, reply = await self.conn.post("/rendezvous/join", body)
+            status, raw, read_at = await self.conn.send_read("/rendezvous/join", data)
+            reply = json.loads(raw) if raw else {}
             if status != 200:
                 raise Rejected(f"{self.node_id}: join answered {status}: {reply}")
             if reply["state"] == "ready":
@@ -317,6 +324,7 @@ class Agent:
                 assert isinstance(info, dict)
                 self.round = int(info["round"])
                 self.ready_at[self.round] = time.time()
+                self.ready_read_at[self.round] = read_at
                 return "ready"
             if reply["state"] == "exit":
                 return "exit"
@@ -535,8 +543,13 @@ async def measure(n: int, beat_window: float, root: Path) -> dict[str, float | i
         await wait_for(lambda: all(1 in a.ready_at for a in agents), 300, "the first round")
         last_join = max(a.joined_at[1] for a in agents)
         round_s = max(a.ready_at[1] for a in agents) - last_join
+        round_read_s = max(a.ready_read_at[1] for a in agents) - last_join
         startup_s = max(a.ready_at[1] for a in agents) - start
-        say(n, f"first round: {round_s:.3f}s from the last join, {startup_s:.3f}s in all")
+        say(
+            n,
+            f"first round: {round_s:.3f}s from the last join (read off the last agent's "
+            f"connection at {round_read_s:.3f}s), {startup_s:.3f}s in all",
+        )
 
         # Steady heartbeats: every agent long-polls; the window starts once the round's wave
         # has passed (SETTLE). The beats before it are the round's aftermath, measured apart.
@@ -594,12 +607,14 @@ async def measure(n: int, beat_window: float, root: Path) -> dict[str, float | i
         master_push_ms = float(push_s) * 1000
         await wait_for(lambda: all(2 in a.ready_at for a in agents), 300, "the restart round")
         restart_round_s = max(a.ready_at[2] for a in agents) - failed_at
+        restart_round_read_s = max(a.ready_read_at[2] for a in agents) - failed_at
         decided_at = min(float(e["time"]) for e in master.events("workers_restarted"))
         pushed = sorted(a.action_at[1] - decided_at for a in agents)
         read = sorted(a.action_read_at[1] - decided_at for a in agents)
         say(
             n,
-            f"restart round: {restart_round_s:.3f}s; the restart reached every agent "
+            f"restart round: {restart_round_s:.3f}s (read at {restart_round_read_s:.3f}s); "
+            f"the restart reached every agent "
             f"{pushed[-1] * 1000:.0f} ms after the decision (p50 {pct(pushed, 0.5) * 1000:.0f}; "
             f"read off the last agent's connection at {read[-1] * 1000:.0f}); "
             f"the master wrote it to every socket in {master_push_ms:.0f} ms",
@@ -634,7 +649,9 @@ async def measure(n: int, beat_window: float, root: Path) -> dict[str, float | i
             "agents": n,
             "startup_s": round(startup_s, 3),
             "round_s": round(round_s, 3),
+            "round_read_s": round(round_read_s, 3),
             "restart_round_s": round(restart_round_s, 3),
+            "restart_round_read_s": round(restart_round_read_s, 3),
             "action_all_ms": round(pushed[-1] * 1000, 1),
             "action_p50_ms": round(pct(pushed, 0.5) * 1000, 1),
             "action_read_all_ms": round(read[-1] * 1000, 1),
@@ -801,7 +818,9 @@ def main() -> None:
                 for k in (
                     "agents",
                     "round_s",
+                    "round_read_s",
                     "restart_round_s",
+                    "restart_round_read_s",
                     "action_all_ms",
                     "action_read_all_ms",
                     "master_push_ms",

@@ -37,7 +37,9 @@ def test_the_control_plane_benchmark_goes_through_every_phase(tmp_path):
     assert set(last) == {
         "agents",
         "round_s",
+        "round_read_s",
         "restart_round_s",
+        "restart_round_read_s",
         "action_all_ms",
         "action_read_all_ms",
         "master_push_ms",
@@ -52,6 +54,9 @@ def test_the_control_plane_benchmark_goes_through_every_phase(tmp_path):
     for row in each:
         # Every phase ended: each figure is a measured time, and beats came in.
         assert row["round_s"] >= 0 and row["restart_round_s"] > 0
+        # The ready read off each connection before the agent's code had it.
+        assert 0 <= row["round_read_s"] <= row["round_s"]
+        assert 0 < row["restart_round_read_s"] <= row["restart_round_s"]
         # The restart was pushed: it reached every agent, after the master decided it.
         assert 0 < row["action_p50_ms"] <= row["action_all_ms"] < row["restart_round_s"] * 1000
         # Its frame was read off each agent's connection before that agent's code had it.
