@@ -163,18 +163,20 @@ def test_a_journal_that_fails_gets_no_reply_an_ok(tmp_path):
     written, the reply says so (500), and a request sent again gets the same."""
 
     async def body(master, session, url):
-        def broken() -> None:
-            raise OSError("disk full")
+        def broken() -> asyncio.Future[None]:
+            failed = asyncio.get_running_loop().create_future()
+            failed.set_exception(OSError("disk full"))
+            return failed
 
         ws = await _open(session, url, "agent-0")
-        master.journal_now = broken
+        master.journal_commit = broken
         try:
             await _ask(ws, 1, "/chaos", REPORT)
             reply = await _reply(ws)
             await _ask(ws, 1, "/chaos", REPORT)
             again = await _reply(ws)
         finally:
-            del master.journal_now
+            del master.journal_commit
         assert reply["status"] == 500 and "disk full" in reply["body"]["error"], reply
         assert again == reply
 

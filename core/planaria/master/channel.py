@@ -352,7 +352,7 @@ class Channels:
 
     async def _flush(self) -> None:
         """Send the outbox, in this one task: one journal write for all that came in at once
-        (what its replies changed, written by this task as it takes them), then each reply. A long burst gives the loop a turn every
+        (what its replies changed), then each reply. A long burst gives the loop a turn every
         :data:`SEND_SLICE` of writes, and what came meanwhile (a heartbeat's reply) goes out
         next, before the rest of the burst: no reply waits behind more than a slice of it."""
         queue: deque[tuple[web.WebSocketResponse, _Asked]] = deque()
@@ -362,9 +362,7 @@ class Channels:
                 if self._outbox:
                     batch, self._outbox = self._outbox, []
                     try:
-                        # Written here, at once: the batch is its own group commit (all that
-                        # changed so far), with no turn of the loop to wait for the shared one.
-                        self.context.master.journal_now()
+                        await self.context.master.journal_committed()
                     except Exception as exc:  # not on disk: no reply may say it was taken
                         failed = _reply(500, ApiError(error=f"the master's journal failed: {exc}"))
                         for _, asked in batch:
