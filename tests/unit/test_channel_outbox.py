@@ -29,9 +29,12 @@ class _Master:
     def __init__(self) -> None:
         self.channel = ChannelStats()
         self.commits = 0
+        self.fails: Exception | None = None
 
     async def journal_committed(self) -> None:
         await asyncio.sleep(0)
+        if self.fails is not None:
+            raise self.fails
         self.commits += 1
 
 
@@ -44,6 +47,7 @@ class _Socket:
     def __init__(self, master: _Master, clock: list[float] | None = None) -> None:
         self.master = master
         self.sent: list[tuple[int, int]] = []
+        self.texts: list[str] = []
         self.on_send: dict[int, object] = {}
         self.clock = clock
 
@@ -51,6 +55,7 @@ class _Socket:
         if self.clock is not None:
             self.clock[0] += WRITE_S
         self.sent.append((json.loads(text)["re"], self.master.commits))
+        self.texts.append(text)
         hook = self.on_send.pop(len(self.sent), None)
         if hook is not None:
             hook()  # type: ignore[operator]
@@ -164,5 +169,25 @@ def test_a_reply_that_tells_of_nothing_decided_goes_at_once_and_is_kept() -> Non
         await _sent(channels)
         assert sorted(seq for seq, _ in again.sent) == [1, 2]
         assert CALLS == [False, True], "each request served once"
+
+    asyncio.run(main())
+
+
+def test_a_reply_whose_journal_write_failed_says_so() -> None:
+    """A reply may not say its request was taken when what it changed is not on disk."""
+
+    async def main() -> None:
+        master = _Master()
+        master.fails = OSError(28, "No space left on device")
+        channels = Channels([], SimpleNamespace(master=master))  # type: ignore[arg-type]
+        ws = _Socket(master)
+        channels.open[ws] = None  # type: ignore[index]
+        _post(channels, ws, 7)
+        await _sent(channels)
+        (text,) = ws.texts
+        reply = json.loads(text)
+        assert reply["re"] == 7 and reply["status"] == 500
+        assert "the master's journal failed" in reply["body"]["error"]
+        assert "No space left on device" in reply["body"]["error"]
 
     asyncio.run(main())
