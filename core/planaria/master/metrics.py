@@ -287,9 +287,10 @@ class StateNow:
         yield _gauge("planaria_world_nodes", "Nodes in the running world", len(m.world))
         yield _gauge("planaria_channels_open", "Agents' channels open now", m.channel.open)
         push = GaugeMetricFamily(
-            "planaria_channel_last_push_seconds", "The last push burst, by what it answered",
+            "planaria_channel_last_push_seconds",
+            "The last push burst, by what it answered",
             labels=["op"],
-        )  # fmt: skip
+        )
         for op, seconds in m.channel.last_push_s.items():
             push.add_metric([op], seconds)
         yield push
